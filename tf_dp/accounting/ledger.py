@@ -1,0 +1,110 @@
+"""The privacy ledger: what a model actually ran, saved with the model.
+
+One row per phase — a stretch of steps with the same sampling scheme, sampling rate q,
+noise multiplier σ, N and L — plus the count of DP steps taken. Rows and the counter are
+Keras variables, so ``model.save(".keras")`` and checkpoints keep them, and ε after a
+reload covers every step ever taken. ε is the composition of all phases:
+
+    poisson:  T_k × PoissonSampled(q_k, Gaussian(σ_k))
+    batches:  T_k × Gaussian(σ_k)   (batches we could not resample: no amplification
+              is claimed; each step may contain any example)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+from dp_accounting import dp_event
+
+from tf_dp.accounting.accountant import epsilon_of_event
+
+SCHEMES = {1: "poisson", 2: "batches"}
+_CODES = {name: code for code, name in SCHEMES.items()}
+MAX_PHASES = 64
+_COLUMNS = 6  # scheme, sampling_rate, noise_multiplier, num_examples, expected_batch_size, first_step
+
+
+@dataclass(frozen=True)
+class Phase:
+    scheme: str
+    sampling_rate: float
+    noise_multiplier: float
+    num_examples: int
+    expected_batch_size: float
+    steps: int
+
+    def event(self) -> dp_event.DpEvent:
+        if self.steps == 0:
+            return dp_event.NoOpDpEvent()
+        if self.noise_multiplier == 0:
+            return dp_event.NonPrivateDpEvent()
+        gaussian = dp_event.GaussianDpEvent(self.noise_multiplier)
+        step = dp_event.PoissonSampledDpEvent(self.sampling_rate, gaussian) if self.scheme == "poisson" else gaussian
+        return dp_event.SelfComposedDpEvent(step, self.steps)
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class PrivacyLedger(keras.layers.Layer):
+    """Keeps the phases and the DP step counter as non-trainable variables."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("name", "privacy_ledger")
+        super().__init__(trainable=False, **kwargs)
+        self.phase_table = self.add_weight(
+            shape=(MAX_PHASES, _COLUMNS), dtype="float64", initializer="zeros", trainable=False, name="phases"
+        )
+        self.steps = self.add_weight(shape=(), dtype="int64", initializer="zeros", trainable=False, name="steps")
+        self.built = True
+
+    def call(self, inputs):
+        return inputs
+
+    def _rows(self) -> np.ndarray:
+        table = np.asarray(self.phase_table.numpy())
+        return table[table[:, 0] > 0]
+
+    def phases(self) -> list[Phase]:
+        rows, total = self._rows(), int(self.steps.numpy())
+        ends = list(rows[1:, 5].astype(np.int64)) + [total]
+        return [
+            Phase(SCHEMES[int(r[0])], float(r[1]), float(r[2]), int(r[3]), float(r[4]), int(end - r[5]))
+            for r, end in zip(rows, ends)
+        ]
+
+    def open_phase(self, scheme: str, sampling_rate: float, noise_multiplier: float, num_examples: int,
+                   expected_batch_size: float) -> None:
+        """Starts a phase at the current step unless the current phase has the same settings."""
+        row = np.array([_CODES[scheme], sampling_rate, noise_multiplier, num_examples, expected_batch_size,
+                        int(self.steps.numpy())], dtype=np.float64)
+        rows = self._rows()
+        if len(rows) and np.array_equal(rows[-1, :5], row[:5]):
+            return
+        if len(rows) and rows[-1, 5] == row[5]:  # the current phase took no step: replace it
+            index = len(rows) - 1
+        else:
+            index = len(rows)
+        if index >= MAX_PHASES:
+            raise RuntimeError(f"The privacy ledger holds at most {MAX_PHASES} phases.")
+        table = np.asarray(self.phase_table.numpy()).copy()
+        table[index] = row
+        self.phase_table.assign(table)
+
+    def current_phase(self):
+        phases = self.phases()
+        return phases[-1] if phases else None
+
+    def record_step(self):
+        """Counts one DP step (runs inside the compiled train step)."""
+        self.steps.assign_add(1)
+
+    def event(self) -> dp_event.DpEvent:
+        phases = [p.event() for p in self.phases()]
+        return dp_event.ComposedDpEvent(phases) if phases else dp_event.NoOpDpEvent()
+
+    def epsilon(self, delta: float, accountant: str = "rdp") -> float:
+        """ε at δ of every step taken so far (0 before the first step)."""
+        if int(self.steps.numpy()) == 0:
+            return 0.0
+        return epsilon_of_event(self.event(), delta, accountant)

@@ -1,0 +1,89 @@
+"""Ghost rule for ``keras.layers.Dense``, with or without a sequence axis.
+
+z = a W + b. With per-example activations A_i ∈ R^{T×d} and output gradients
+S_i ∈ R^{T×k} (T = 1 without a sequence axis):
+
+    ∂ℓ_i/∂W = A_iᵀ S_i,   ∂ℓ_i/∂b = Σ_t s_it
+    ‖A_iᵀ S_i‖_F² = Σ_{t,t'} (a_it·a_it')(s_it·s_it')   (= ‖a_i‖²‖s_i‖² when T = 1)
+
+The Gram form costs T²(d+k) per example, the explicit A_iᵀS_i costs T·d·k; the cheaper
+one is used per layer ("mixed ghost clipping"). The clipped sum is Σ_i c_i A_iᵀ S_i, one
+weighted matmul (book-keeping: no second backward pass).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
+
+
+def _as_sequence(tensor: tf.Tensor) -> tf.Tensor:
+    """[P, ..., d] -> [P, T, d]."""
+    shape = tf.shape(tensor)
+    return tf.reshape(tensor, tf.stack([shape[0], -1, shape[-1]]))
+
+
+def _is_rank2(recordings) -> bool:
+    return len(recordings) == 1 and recordings[0].inputs.shape.rank == 2
+
+
+class DenseContribution(Contribution):
+    def __init__(self, activations, output_grads, has_bias: bool, flat: bool):
+        self.a, self.s, self.has_bias, self.flat = activations, output_grads, has_bias, flat
+
+    def squared_norms(self):
+        if self.flat:  # a: [P, d], s: [P, k]
+            s_sq = tf.reduce_sum(tf.square(self.s), axis=1)
+            norms = tf.reduce_sum(tf.square(self.a), axis=1) * s_sq
+            return norms + s_sq if self.has_bias else norms
+        a, s = self.a, self.s  # [P, T, d], [P, T, k]
+        steps, d, k = a.shape[1], a.shape[2], s.shape[2]
+        if steps is not None and steps * (d + k) <= d * k:
+            gram = tf.einsum("ptd,pud->ptu", a, a) * tf.einsum("ptk,puk->ptu", s, s)
+            norms = tf.reduce_sum(gram, axis=[1, 2])
+        else:
+            norms = tf.reduce_sum(tf.square(tf.einsum("ptd,ptk->pdk", a, s)), axis=[1, 2])
+        if self.has_bias:
+            norms += tf.reduce_sum(tf.square(tf.reduce_sum(s, axis=1)), axis=1)
+        return norms
+
+    def weighted_sums(self, clip_factors):
+        c = tf.cast(clip_factors, self.s.dtype)
+        if self.flat:
+            weighted_s = self.s * c[:, None]
+            kernel = tf.matmul(self.a, weighted_s, transpose_a=True)
+            return [kernel, tf.reduce_sum(weighted_s, axis=0)] if self.has_bias else [kernel]
+        weighted_s = self.s * c[:, None, None]
+        d, k = tf.shape(self.a)[-1], tf.shape(self.s)[-1]
+        kernel = tf.matmul(tf.reshape(self.a, [-1, d]), tf.reshape(weighted_s, [-1, k]), transpose_a=True)
+        if self.has_bias:
+            return [kernel, tf.reduce_sum(weighted_s, axis=[0, 1])]
+        return [kernel]
+
+
+class DenseRule(GhostRule):
+    def applies_to(self, layer) -> bool:
+        return not getattr(layer, "lora_enabled", False) and getattr(layer, "quantization_mode", None) is None
+
+    def variables(self, layer):
+        return [layer.kernel] + ([layer.bias] if layer.bias is not None else [])
+
+    def tapped_call(self, layer, original_call, recordings, inputs, training=None):
+        z = keras.ops.matmul(inputs, layer.kernel)
+        if layer.bias is not None:
+            z = keras.ops.add(z, layer.bias)
+        recordings.append(Recording(inputs, [z]))
+        return layer.activation(z) if layer.activation is not None else z
+
+    def contribution(self, layer, recordings, output_grads):
+        has_bias = layer.bias is not None
+        grads = [g[0] if g[0] is not None else tf.zeros_like(r.watched[0]) for r, g in zip(recordings, output_grads)]
+        if _is_rank2(recordings):
+            return DenseContribution(recordings[0].inputs, grads[0], has_bias, flat=True)
+        activations = tf.concat([_as_sequence(r.inputs) for r in recordings], axis=1)
+        return DenseContribution(activations, tf.concat([_as_sequence(g) for g in grads], axis=1), has_bias, flat=False)
+
+
+register_ghost_rule(keras.layers.Dense, DenseRule())

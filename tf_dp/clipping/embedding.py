@@ -1,0 +1,62 @@
+"""Ghost rule for ``keras.layers.Embedding``.
+
+z_it = E[id_it]. The per-example gradient of the table is Σ_t e_{id_it} s_itᵀ, so
+
+    ‖∂ℓ_i/∂E‖_F² = Σ_{t,t'} [id_it = id_it'] (s_it·s_it'),
+
+and the clipped sum scatters c_i s_it into row id_it.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
+
+
+class EmbeddingContribution(Contribution):
+    def __init__(self, ids, output_grads, vocabulary_size: int):
+        self.ids, self.s, self.vocabulary_size = ids, output_grads, vocabulary_size  # [P, T], [P, T, k]
+
+    def squared_norms(self):
+        same_id = tf.cast(tf.equal(self.ids[:, :, None], self.ids[:, None, :]), self.s.dtype)
+        return tf.reduce_sum(same_id * tf.einsum("ptk,puk->ptu", self.s, self.s), axis=[1, 2])
+
+    def weighted_sums(self, clip_factors):
+        weighted_s = self.s * tf.cast(clip_factors, self.s.dtype)[:, None, None]
+        k = tf.shape(self.s)[-1]
+        table = tf.math.unsorted_segment_sum(
+            tf.reshape(weighted_s, [-1, k]), tf.reshape(self.ids, [-1]), self.vocabulary_size
+        )
+        return [table]
+
+
+class EmbeddingRule(GhostRule):
+    def applies_to(self, layer) -> bool:
+        return (
+            not getattr(layer, "lora_enabled", False)
+            and getattr(layer, "quantization_mode", None) is None
+            and not getattr(layer, "sparse", False)
+        )
+
+    def variables(self, layer):
+        return [layer.embeddings]
+
+    def tapped_call(self, layer, original_call, recordings, inputs):
+        ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
+        z = keras.ops.take(layer.embeddings, ids, axis=0)
+        recordings.append(Recording(ids, [z]))
+        return keras.ops.cast(z, layer.compute_dtype)
+
+    def contribution(self, layer, recordings, output_grads):
+        ids, grads = [], []
+        for recording, (grad,) in zip(recordings, output_grads):
+            batch = tf.shape(recording.inputs)[0]
+            ids.append(tf.reshape(tf.cast(recording.inputs, tf.int64), [batch, -1]))
+            grad = tf.zeros_like(recording.watched[0]) if grad is None else grad
+            grads.append(tf.reshape(grad, tf.stack([batch, -1, tf.shape(grad)[-1]])))
+        return EmbeddingContribution(tf.concat(ids, axis=1), tf.concat(grads, axis=1), layer.input_dim)
+
+
+register_ghost_rule(keras.layers.Embedding, EmbeddingRule())

@@ -1,0 +1,73 @@
+"""Fallback for layers without a ghost rule: per-example gradients of that layer only.
+
+The layer's recorded inputs and output gradients s_i come from the shared batch
+forward/backward pass; ``tf.vectorized_map`` then replays just this layer on each example
+and takes its vector-Jacobian product with s_i, giving ∂ℓ_i/∂θ_layer explicitly. Cost is
+per-example in this layer only, not in the whole model. Valid for layers whose output row
+i depends only on input row i (layers that mix examples are refused by the model check).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_dp.clipping.registry import Contribution, GhostRule, Recording
+
+
+def _is_batched_tensor(value) -> bool:
+    return isinstance(value, (tf.Tensor, tf.Variable)) and value.shape.rank is not None and value.shape.rank >= 1
+
+
+class MaterializedContribution(Contribution):
+    """Per-example gradients held explicitly: one [P, *shape] tensor per variable."""
+
+    def __init__(self, per_example_grads: list[tf.Tensor]):
+        self.per_example_grads = per_example_grads
+
+    def squared_norms(self):
+        return tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in self.per_example_grads])
+
+    def weighted_sums(self, clip_factors):
+        return [tf.tensordot(tf.cast(clip_factors, g.dtype), g, axes=1) for g in self.per_example_grads]
+
+
+class LayerPerExampleRule(GhostRule):
+    """Records (args, kwargs, outputs); per-example gradients by vectorized replay."""
+
+    def __init__(self, tap):
+        self._tap = tap
+
+    def variables(self, layer):
+        return list(layer._trainable_variables)
+
+    def tapped_call(self, layer, original_call, recordings, *args, **kwargs):
+        outputs = original_call(*args, **kwargs)
+        recordings.append(Recording((args, kwargs), tf.nest.flatten(outputs), extras=original_call))
+        return outputs
+
+    def contribution(self, layer, recordings, output_grads):
+        variables = self.variables(layer)
+        total = None
+        for recording, grads in zip(recordings, output_grads):
+            per_example = self._replay(recording, grads, variables)
+            total = per_example if total is None else [a + b for a, b in zip(total, per_example)]
+        return MaterializedContribution(total)
+
+    def _replay(self, recording: Recording, grads, variables):
+        (args, kwargs), original_call = recording.inputs, recording.extras
+        grads = [tf.zeros_like(w) if g is None else g for g, w in zip(grads, recording.watched)]
+        flat_inputs = tf.nest.flatten((args, kwargs))
+        batched = [i for i, v in enumerate(flat_inputs) if _is_batched_tensor(v)]
+
+        def one_example(elems):
+            example_inputs, example_grads = elems
+            flat = list(flat_inputs)
+            for index, value in zip(batched, example_inputs):
+                flat[index] = value[None]
+            call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), flat)
+            with self._tap.paused(), tf.GradientTape() as tape:
+                outputs = tf.nest.flatten(original_call(*call_args, **call_kwargs))
+            vjp = tape.gradient(outputs, variables, output_gradients=[g[None] for g in example_grads])
+            return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(vjp, variables)]
+
+        return tf.vectorized_map(one_example, ([flat_inputs[i] for i in batched], grads))

@@ -1,0 +1,86 @@
+"""Small numpy helpers shared by the tabular loaders: checks, encoding, splitting."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def check_row_count(dataset: str, split: str, actual: int, expected: int) -> None:
+    """Raise ValueError when a split does not have the documented number of rows."""
+    if actual != expected:
+        raise ValueError(
+            f"{dataset}: expected {expected} rows in the {split} split, found {actual}; "
+            "the data file is not the documented version."
+        )
+
+
+def check_fraction(test_fraction: float) -> None:
+    """Raise ValueError unless 0 < test_fraction < 1."""
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+
+
+def fit_vocabulary(train_values: np.ndarray) -> tuple[str, ...]:
+    """Sorted distinct values of one categorical column, taken from the train split only."""
+    return tuple(sorted(set(train_values.tolist())))
+
+
+def one_hot(values: np.ndarray, vocabulary: Sequence[str]) -> np.ndarray:
+    """float32 indicator columns, one per vocabulary entry; unseen values give all zeros."""
+    return (values[:, None] == np.asarray(vocabulary, dtype=values.dtype)[None, :]).astype(np.float32)
+
+
+def standardize(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scale both splits with the train mean and std (a std of 0 counts as 1); float32 out."""
+    mean, std = _train_statistics(train)
+    return _scale(train, mean, std), _scale(test, mean, std)
+
+
+def _train_statistics(train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    train = np.asarray(train, dtype=np.float64)
+    std = train.std(axis=0)
+    return train.mean(axis=0), np.where(std > 0, std, 1.0)
+
+
+def _scale(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    return ((np.asarray(x, dtype=np.float64) - mean) / std).astype(np.float32)
+
+
+def encode_groups(values: np.ndarray, group_names: Sequence[str], attribute: str) -> np.ndarray:
+    """int32 group ids: the index of each value in ``group_names``; unknown values raise."""
+    lookup = {name: index for index, name in enumerate(group_names)}
+    unknown = sorted(set(values.tolist()) - lookup.keys())
+    if unknown:
+        raise ValueError(f"unknown {attribute} values {unknown}; expected one of {list(group_names)}")
+    return np.array([lookup[value] for value in values.tolist()], dtype=np.int32)
+
+
+def stratified_group_split(
+    groups: np.ndarray, labels: np.ndarray, test_fraction: float, seed: int
+) -> np.ndarray:
+    """Boolean test mask that keeps every group (e.g. a subject) on one side of the split.
+
+    Groups are shuffled with ``numpy.random.default_rng(seed)`` separately within each
+    label class, and ``round(test_fraction * n)`` groups of each class go to the test
+    split, so both splits keep the class ratio. Every group must carry a single label.
+    Pass ``groups=np.arange(n)`` for a plain stratified row split.
+    """
+    check_fraction(test_fraction)
+    group_labels = _label_per_group(groups, labels)
+    rng = np.random.default_rng(seed)
+    test_groups = []
+    for label in sorted(set(group_labels.values())):
+        members = np.array(sorted(g for g, lab in group_labels.items() if lab == label))
+        count = int(round(test_fraction * len(members)))
+        test_groups.append(rng.permutation(members)[:count])
+    return np.isin(groups, np.concatenate(test_groups))
+
+
+def _label_per_group(groups: np.ndarray, labels: np.ndarray) -> dict:
+    group_labels: dict = {}
+    for group, label in zip(groups.tolist(), labels.tolist()):
+        if group_labels.setdefault(group, label) != label:
+            raise ValueError(f"group {group!r} has more than one label; cannot stratify by group")
+    return group_labels

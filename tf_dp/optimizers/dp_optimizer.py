@@ -1,0 +1,141 @@
+"""The privatizing half of every tf_dp optimizer: noise once, average by L, then update.
+
+A DP optimizer never sees raw gradients. The model (``tf_dp.DPModel``) hands it the SUM
+of per-example clipped gradients Σ_i ḡ_i; the optimizer applies the Gaussian mechanism
+and the average of ALGORITHMS §1 steps 4–5,
+
+    ĝ = (Σ_i ḡ_i + N(0, σ²C² I)) / L,
+
+and passes ĝ to its base Keras update (SGD, Adam, AdamW, filters). L is the expected
+batch size under Poisson sampling (never the realized size) or the public size of an
+explicit batch. Calling ``apply``/``apply_gradients`` directly — what a plain
+``keras.Model`` does — raises, so a DP optimizer can never train non-privately by accident.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_dp import _checks
+from tf_dp.noise import add_gaussian_noise, new_seed
+
+_NOT_CALIBRATED = float("nan")
+
+
+class DPOptimizer:
+    """Mixin placed before a Keras optimizer class: ``class DPSGD(DPOptimizer, keras.optimizers.SGD)``.
+
+    Args:
+      l2_norm_clip: C, the per-example clipping bound (flat L2 norm over all trainable
+        variables).
+      noise_multiplier: σ; the noise on the clipped sum has std σ·C. ``None`` only when a
+        ``target_epsilon`` given to ``DPModel.compile`` calibrates it before training.
+      seed: key of the noise stream (reproducible). ``None`` draws a fresh one from the OS.
+    """
+
+    def _init_dp(self, l2_norm_clip: float, noise_multiplier: Optional[float], seed: Optional[int]):
+        l2_norm_clip = _checks.positive("l2_norm_clip", l2_norm_clip, "It is the per-example clip bound C.")
+        if noise_multiplier is not None:
+            noise_multiplier = _checks.non_negative(
+                "noise_multiplier", noise_multiplier, "Noise std on the clipped sum is noise_multiplier * l2_norm_clip."
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
+        self._user_seed = None if seed is None else int(seed)
+        noise_key = [int(seed if seed is not None else new_seed()) & (2**63 - 1), 0x7F_D9]
+        with keras.backend.name_scope(self.name, caller=self):
+            self._l2_norm_clip = self._dp_variable("l2_norm_clip", l2_norm_clip, "float32")
+            self._noise_multiplier = self._dp_variable(
+                "noise_multiplier", _NOT_CALIBRATED if noise_multiplier is None else noise_multiplier, "float32"
+            )
+            self._noise_seed = self._dp_variable("noise_seed", noise_key, "int64")
+            # σ_w = σ·C/L of the latest step, the noise std on the averaged gradient; read
+            # by noise-bias corrections (DP-AdamBC, FIBER).
+            self._averaged_noise_stddev = self._dp_variable("averaged_noise_stddev", 0.0, "float32")
+
+    def _dp_variable(self, name, value, dtype):
+        variable = keras.Variable(
+            np.asarray(value, dtype=dtype), name=name, dtype=dtype, trainable=False,
+            aggregation="only_first_replica",
+        )
+        self._track_variable(variable)
+        return variable
+
+    # -- the DP parameters, single source of truth for model, optimizer and accountant --
+    @property
+    def l2_norm_clip(self) -> float:
+        return float(self._l2_norm_clip.numpy())
+
+    @l2_norm_clip.setter
+    def l2_norm_clip(self, value: float):
+        self._l2_norm_clip.assign(_checks.positive("l2_norm_clip", value))
+
+    @property
+    def noise_multiplier(self) -> Optional[float]:
+        value = float(self._noise_multiplier.numpy())
+        return None if np.isnan(value) else value
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float):
+        self._noise_multiplier.assign(_checks.non_negative("noise_multiplier", value))
+
+    @property
+    def seed(self) -> Optional[int]:
+        return self._user_seed
+
+    def clip_bound(self) -> tf.Tensor:
+        """C as a tensor, read inside the compiled train step."""
+        return self._l2_norm_clip.value
+
+    # -- the mechanism --
+    def apply(self, grads, trainable_variables=None):
+        raise TypeError(
+            f"{type(self).__name__} is a differentially private optimizer and refuses raw "
+            "gradients: they are neither clipped per example nor noised. Train with "
+            "`tf_dp.DPModel`, `tf_dp.DPSequential` or `tf_dp.make_private(model)` instead of a "
+            "plain keras.Model; those hand the optimizer per-example clipped sums."
+        )
+
+    def apply_private_gradients(
+        self,
+        clipped_sums: Sequence[tf.Tensor],
+        trainable_variables: Sequence,
+        expected_batch_size: tf.Tensor,
+        public_gradients: Optional[Sequence[Optional[tf.Tensor]]] = None,
+    ):
+        """ĝ = (Σ_i ḡ_i + N(0, σ²C² I)) / L, then the base optimizer's update with ĝ.
+
+        Args:
+          clipped_sums: Σ_i ḡ_i per variable, each ḡ_i clipped to flat norm ≤ C.
+          trainable_variables: the variables, aligned with ``clipped_sums``.
+          expected_batch_size: L — expected Poisson batch size or an explicit batch's size.
+          public_gradients: data-independent terms (e.g. weight regularizers) added after
+            averaging; they cost no privacy.
+        """
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.backend.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        stddev_on_sum = self._noise_multiplier.value * self._l2_norm_clip.value
+        denominator = tf.cast(expected_batch_size, tf.float32)
+        noisy_sums = add_gaussian_noise(list(clipped_sums), stddev_on_sum, self._noise_seed.value, self.iterations)
+        averaged = [g / tf.cast(denominator, g.dtype) for g in noisy_sums]
+        if public_gradients is not None:
+            averaged = [g if p is None else g + tf.cast(p, g.dtype) for g, p in zip(averaged, public_gradients)]
+        self._averaged_noise_stddev.assign(stddev_on_sum / denominator)
+        return super().apply(averaged, trainable_variables)
+
+    def noise_variance_on_average(self, dtype) -> tf.Tensor:
+        """σ_w² = (σ·C/L)², the per-coordinate variance the noise adds to ĝ this step."""
+        return tf.square(tf.cast(self._averaged_noise_stddev.value, dtype))
+
+    def _dp_config(self) -> dict:
+        return {
+            "l2_norm_clip": self.l2_norm_clip,
+            "noise_multiplier": self.noise_multiplier,
+            "seed": self._user_seed,
+        }
