@@ -47,7 +47,7 @@ class DPOptimizer:
             raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
         self._user_seed = None if seed is None else int(seed)
         noise_key = [int(seed if seed is not None else new_seed()) & (2**63 - 1), 0x7F_D9]
-        with keras.backend.name_scope(self.name, caller=self):
+        with keras.name_scope(self.name, caller=self):
             self._l2_norm_clip = self._dp_variable("l2_norm_clip", l2_norm_clip, "float32")
             self._noise_multiplier = self._dp_variable(
                 "noise_multiplier", _NOT_CALIBRATED if noise_multiplier is None else noise_multiplier, "float32"
@@ -118,7 +118,7 @@ class DPOptimizer:
         """
         trainable_variables = list(trainable_variables)
         if not self.built:
-            with keras.backend.name_scope(self.name, caller=self):
+            with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
         stddev_on_sum = self._noise_multiplier.value * self._l2_norm_clip.value
         denominator = tf.cast(expected_batch_size, tf.float32)

@@ -1,0 +1,73 @@
+"""ε in the progress bar and History, and a hard stop at the privacy budget."""
+
+from __future__ import annotations
+
+import keras
+
+
+class PrivacyReport(keras.callbacks.Callback):
+    """Adds ``epsilon`` (all steps so far, at the model's δ) to each epoch's logs."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["epsilon"] = self.model.get_epsilon()
+
+
+class PrivacyBudget(keras.callbacks.Callback):
+    """Stops training before a step would take ε above ``max_epsilon``.
+
+    Each batch end checks whether ONE more step at the current σ and sampling rate would
+    exceed the budget; if so it stops, so the reported ε never exceeds ``max_epsilon``.
+    """
+
+    def __init__(self, max_epsilon: float):
+        super().__init__()
+        self.max_epsilon = float(max_epsilon)
+        self._allowed_steps = None
+
+    def on_train_begin(self, logs=None):
+        self._allowed_steps = _max_total_steps(self.model, self.max_epsilon)
+        if self._allowed_steps is not None and self._steps() >= self._allowed_steps:
+            raise ValueError(
+                f"The privacy budget ε = {self.max_epsilon} is already spent "
+                f"(ε = {self.model.get_epsilon():.4f}); no further step is allowed."
+            )
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._allowed_steps is not None and self._steps() >= self._allowed_steps:
+            self.model.stop_training = True
+
+    def _steps(self) -> int:
+        return int(self.model.privacy_ledger.steps.numpy())
+
+
+def _max_total_steps(model, max_epsilon: float):
+    """Largest total step count whose ε stays ≤ max_epsilon if the current phase continues."""
+    ledger, settings = model.privacy_ledger, model.privacy_settings
+    phases = ledger.phases()
+    if not phases:
+        return None
+    taken = int(ledger.steps.numpy())
+    current_steps = phases[-1].steps
+
+    def epsilon_after(extra: int) -> float:
+        ledger.steps.assign(taken + extra)
+        try:
+            return ledger.epsilon(settings["delta"], settings["accountant"])
+        finally:
+            ledger.steps.assign(taken)
+
+    if epsilon_after(0) > max_epsilon and current_steps + taken > 0:
+        return taken
+    low, high = 0, 1
+    while epsilon_after(high) <= max_epsilon:
+        low, high = high, high * 2
+        if high > 10**8:
+            return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        if epsilon_after(middle) <= max_epsilon:
+            low = middle
+        else:
+            high = middle
+    return taken + low

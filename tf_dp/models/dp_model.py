@@ -1,0 +1,324 @@
+"""DPModel, DPSequential and make_private: Keras models whose train step is DP-SGD.
+
+A train step (ALGORITHMS §1): the batch arrives as Poisson-sampled chunks of static
+size P with a 0/1 mask (from ``fit``) or as an explicit batch; the clipping engine
+returns Σ_i c_i g_i over all chunks; the DP optimizer adds N(0, σ²C² I) once, divides by
+L and updates; the ledger counts the step.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
+
+from tf_dp import _checks
+from tf_dp.accounting import ACCOUNTANTS, PrivacyLedger, calibrate_noise_multiplier
+from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
+from tf_dp.clipping import ENGINES, clipped_gradient_sum
+from tf_dp.models.data import POISSON_KEYS, as_arrays, is_batched_dataset, num_rows, poisson_dataset
+from tf_dp.models.losses import per_example_loss
+from tf_dp.models.validation import check_model
+from tf_dp.optimizers import DPOptimizer
+
+DEFAULT_DELTA = 1e-5
+
+
+def _accelerator_present() -> bool:
+    return bool(tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU"))
+
+
+class DPModelMixin:
+    """The DP training behaviour shared by DPModel and DPSequential."""
+
+    def _init_privacy(self):
+        self.privacy_ledger = PrivacyLedger()
+        self._dp = {"delta": DEFAULT_DELTA, "accountant": "rdp", "target_epsilon": None, "engine": "ghost"}
+        self._dp_loss = None
+
+    # ---------------------------------------------------------------- compile
+    def compile(
+        self,
+        optimizer=None,
+        loss=None,
+        metrics=None,
+        *,
+        delta: Optional[float] = None,
+        accountant: str = "rdp",
+        target_epsilon: Optional[float] = None,
+        clipping_engine: str = "ghost",
+        jit_compile="auto",
+        **kwargs,
+    ):
+        """Keras ``compile`` plus the privacy settings.
+
+        Args:
+          optimizer: a tf_dp DP optimizer (DPSGD, DPAdam, DPAdamW, ...). Plain Keras
+            optimizers are refused: they would train without noise.
+          loss: one Keras loss; it is evaluated per example.
+          delta: δ at which ε is reported (default 1e-5; keep δ ≤ 1/N).
+          accountant: "rdp" (default) or "pld".
+          target_epsilon: if set, ``fit`` calibrates σ so that all training so far plus the
+            planned epochs meets this ε, and stops rather than exceed it.
+          clipping_engine: "ghost" (fast, default) or "vectorized" (reference).
+          jit_compile: XLA. "auto" = on when a GPU/TPU is visible, off on CPU, where XLA
+            was measured slower (README).
+        """
+        if not isinstance(optimizer, DPOptimizer):
+            raise TypeError(
+                f"{type(self).__name__} needs a differentially private optimizer "
+                f"(tf_dp.DPSGD, tf_dp.DPAdam, tf_dp.DPAdamW, ...), got {type(optimizer).__name__}: a plain "
+                "Keras optimizer would train without noise. Use e.g. "
+                "tf_dp.DPSGD(learning_rate, l2_norm_clip=1.0, noise_multiplier=1.1)."
+            )
+        check_model(self)
+        self._dp = {
+            "delta": DEFAULT_DELTA if delta is None else _checks.delta(delta),
+            "accountant": _checks.one_of("accountant", accountant, ACCOUNTANTS),
+            "target_epsilon": None if target_epsilon is None else _checks.positive("target_epsilon", target_epsilon),
+            "engine": _checks.one_of("clipping_engine", clipping_engine, ENGINES),
+        }
+        self._dp_loss = per_example_loss(loss)
+        if jit_compile == "auto":
+            jit_compile = _accelerator_present()
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, jit_compile=jit_compile, **kwargs)
+
+    # ------------------------------------------------------------- train step
+    def train_step(self, data):
+        if not isinstance(self.optimizer, DPOptimizer):
+            raise TypeError("A DPModel trains only with a tf_dp DP optimizer; recompile with one.")
+        x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
+        clip = self.optimizer.clip_bound()
+        clipped_sums = self._clipped_sum_over_chunks(x, y, mask, clip)
+        self.optimizer.apply_private_gradients(
+            clipped_sums, self.trainable_variables, expected_batch_size, self._regularization_gradients()
+        )
+        self.privacy_ledger.record_step()
+        return self.get_metrics_result()
+
+    def _unpack_dp_batch(self, data):
+        """(x, y, mask, L) with x, y, mask shaped [chunks, P, ...]."""
+        if isinstance(data, dict) and set(data) == set(POISSON_KEYS):
+            return data["x"], data["y"], data["mask"], data["expected_batch_size"]
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if sample_weight is not None:
+            raise ValueError("`sample_weight`/`class_weight` are not supported by DP training in tf_dp.")
+        if y is None:
+            raise ValueError("DP training needs targets `y` to compute each example's loss.")
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        add_chunk_axis = lambda t: tf.expand_dims(t, 0)  # noqa: E731
+        mask = tf.ones([1, batch], tf.float32)
+        return tf.nest.map_structure(add_chunk_axis, x), tf.nest.map_structure(add_chunk_axis, y), mask, batch
+
+    def _clipped_sum_over_chunks(self, x, y, mask, clip):
+        zeros = [tf.zeros_like(v) for v in self.trainable_variables]
+        first = tf.nest.flatten(x)[0]
+        if first.shape[0] == 1:
+            return self._clip_chunk(tf.nest.map_structure(lambda t: t[0], x), tf.nest.map_structure(lambda t: t[0], y), mask[0], clip, zeros)
+
+        def body(index, sums):
+            take = lambda t: tf.gather(t, index)  # noqa: E731
+            return index + 1, self._clip_chunk(tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), tf.gather(mask, index), clip, sums)
+
+        _, sums = tf.while_loop(lambda index, _: index < tf.shape(first)[0], body, (tf.constant(0), zeros))
+        return sums
+
+    def _clip_chunk(self, x, y, mask, clip, sums):
+        result = clipped_gradient_sum(self, self._dp_loss, x, y, mask, clip, engine=self._dp["engine"])
+        real = tf.reduce_sum(mask)
+        mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses * tf.cast(mask, result.losses.dtype)), real)
+        self._loss_tracker.update_state(mean_loss + self._regularization_loss(), sample_weight=real)
+        self.compute_metrics(x, y, result.y_pred, sample_weight=mask)
+        return [s + c for s, c in zip(sums, result.clipped_sums)]
+
+    def _regularization_loss(self):
+        terms = [v.regularizer(v) for v in self.trainable_variables if getattr(v, "regularizer", None)]
+        return tf.add_n(terms) if terms else 0.0
+
+    def _regularization_gradients(self):
+        """∇ of weight regularizers: a function of θ only, so public (no noise needed)."""
+        if not any(getattr(v, "regularizer", None) for v in self.trainable_variables):
+            return None
+        with tf.GradientTape() as tape:
+            penalty = self._regularization_loss()
+        return tape.gradient(penalty, self.trainable_variables)
+
+    # -------------------------------------------------------------------- fit
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size: Optional[int] = None,
+        epochs: int = 1,
+        verbose="auto",
+        callbacks=None,
+        validation_split: float = 0.0,
+        validation_data=None,
+        initial_epoch: int = 0,
+        steps_per_epoch: Optional[int] = None,
+        physical_batch_size: Optional[int] = None,
+        sampling_seed: Optional[int] = None,
+        **kwargs,
+    ):
+        """Keras ``fit`` with Poisson sampling (rate q = batch_size / N) for arrays and
+        unbatched ``tf.data`` datasets.
+
+        An epoch is ⌈N/L⌉ steps. Batched datasets cannot be resampled: they are trained
+        as given and accounted WITHOUT sampling amplification (each step a full Gaussian
+        mechanism), with a warning.
+        """
+        self._require_dp_compiled()
+        for unsupported in ("shuffle", "class_weight", "sample_weight"):
+            if kwargs.get(unsupported) not in (None, True) or (unsupported != "shuffle" and unsupported in kwargs):
+                raise ValueError(f"`{unsupported}` is not supported by DP fit (Poisson sampling replaces it).")
+        kwargs.pop("shuffle", None)
+        callbacks = list(callbacks or [])
+        if isinstance(x, tf.data.Dataset) and is_batched_dataset(x, self):
+            return self._fit_fixed_batches(x, epochs, verbose, callbacks, validation_data, initial_epoch, steps_per_epoch, **kwargs)
+        x, y = as_arrays(x, y)
+        if validation_split:
+            (x, y), validation_data = _split_tail(x, y, validation_split)
+        num_examples = num_rows(x)
+        if batch_size is None:
+            raise ValueError("`batch_size` (the expected Poisson batch size L) is required for DP fit.")
+        batch_size = _checks.batch_size_for(num_examples, batch_size)
+        steps = steps_per_epoch or math.ceil(num_examples / batch_size)
+        callbacks += self._privacy_callbacks(num_examples, batch_size, steps * (epochs - initial_epoch))
+        self._open_phase("poisson", batch_size / num_examples, num_examples, batch_size)
+        dataset = poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, sampling_seed)
+        self._prebuild(x, y)
+        return super().fit(
+            dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
+            initial_epoch=initial_epoch, steps_per_epoch=steps, shuffle=False, **kwargs,
+        )
+
+    def _fit_fixed_batches(self, dataset, epochs, verbose, callbacks, validation_data, initial_epoch, steps_per_epoch, **kwargs):
+        warnings.warn(
+            "tf_dp: fit() received a BATCHED dataset, which cannot be Poisson-resampled. Its steps are "
+            "accounted as full Gaussian mechanisms without sampling amplification (much larger ε). "
+            "Pass arrays or an unbatched dataset with batch_size=... for Poisson sampling.",
+            stacklevel=3,
+        )
+        if self._dp["target_epsilon"] is not None:
+            raise ValueError("`target_epsilon` calibration needs Poisson sampling: pass arrays or an unbatched dataset.")
+        callbacks += [PrivacyReport()]
+        self._open_phase("batches", 1.0, 0, 0.0)
+        return super().fit(dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
+                           initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, **kwargs)
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        """One DP step on an explicit batch: the noisy sum is averaged over its (public) size.
+        Accounted as a Gaussian mechanism without sampling amplification."""
+        self._require_dp_compiled()
+        if sample_weight is not None or class_weight is not None:
+            raise ValueError("`sample_weight`/`class_weight` are not supported by DP training in tf_dp.")
+        self._open_phase("batches", 1.0, 0, 0.0)
+        return super().train_on_batch(x, y, return_dict=return_dict)
+
+    def _require_dp_compiled(self):
+        if not isinstance(getattr(self, "optimizer", None), DPOptimizer) or self._dp_loss is None:
+            raise RuntimeError(f"Compile the {type(self).__name__} with a tf_dp optimizer and a loss before training.")
+
+    def _open_phase(self, scheme, sampling_rate, num_examples, expected_batch_size):
+        sigma = self.optimizer.noise_multiplier
+        if sigma is None:
+            raise ValueError(
+                "The optimizer's `noise_multiplier` is None: set it, or pass `target_epsilon` to compile() "
+                "so that fit() calibrates it."
+            )
+        self.privacy_ledger.open_phase(scheme, sampling_rate, sigma, num_examples, expected_batch_size)
+
+    def _privacy_callbacks(self, num_examples, batch_size, planned_steps):
+        target = self._dp["target_epsilon"]
+        if target is None:
+            return [PrivacyReport()]
+        sigma = calibrate_noise_multiplier(
+            target, num_examples, batch_size, steps=max(planned_steps, 1), delta=self._dp["delta"],
+            accountant=self._dp["accountant"], prior_event=self._prior_event(),
+        )
+        self.optimizer.noise_multiplier = sigma
+        print(f"tf_dp: noise_multiplier calibrated to {sigma:.4f} for ε ≤ {target} at δ = {self._dp['delta']:g} "
+              f"over {planned_steps} steps ({self._dp['accountant'].upper()}).")
+        return [PrivacyReport(), PrivacyBudget(target)]
+
+    def _prior_event(self):
+        return self.privacy_ledger.event() if int(self.privacy_ledger.steps.numpy()) else None
+
+    def _prebuild(self, x, y):
+        """Builds model, metrics and optimizer from one example, since the Poisson stream's
+        elements are not plain (x, y) batches."""
+        sample = tf.nest.map_structure(lambda a: a[:1], (x, y))
+        self._symbolic_build(data_batch=sample)
+
+    # ------------------------------------------------------------- reporting
+    def get_epsilon(self, delta: Optional[float] = None, accountant: Optional[str] = None) -> float:
+        """ε of every DP step this model has taken, at ``delta`` (default: compile's δ)."""
+        delta = self._dp["delta"] if delta is None else _checks.delta(delta)
+        return self.privacy_ledger.epsilon(delta, accountant or self._dp["accountant"])
+
+    @property
+    def privacy_settings(self) -> dict:
+        return dict(self._dp)
+
+
+def _split_tail(x, y, fraction):
+    fraction = _checks.in_open_unit_interval("validation_split", fraction)
+    n = num_rows(x)
+    cut = n - int(round(n * fraction))
+    head = lambda a: a[:cut]  # noqa: E731
+    tail = lambda a: a[cut:]  # noqa: E731
+    return (tf.nest.map_structure(head, x), head(y)), (tf.nest.map_structure(tail, x), tail(y))
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DPModel(DPModelMixin, keras.Model):
+    """A Keras Model trained with DP-SGD. Functional (``DPModel(inputs, outputs)``) or
+    subclassed (override ``call``), like ``keras.Model``."""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is DPModel and functional_init_arguments(args, kwargs):
+            return keras.Model.__new__(DPFunctional)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_privacy()
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DPFunctional(DPModel, Functional):
+    """What ``DPModel(inputs, outputs)`` builds (kept apart so that the DPModel class itself
+    is never rewritten into a Functional by Keras)."""
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DPSequential(DPModelMixin, keras.Sequential):
+    """A ``keras.Sequential`` trained with DP-SGD."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_privacy()
+
+
+def make_private(model: keras.Model) -> DPModel:
+    """A DPModel over the same layers (and so the same weights) as a functional or
+    Sequential Keras model."""
+    if isinstance(model, DPModelMixin):
+        return model
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    inputs, outputs = getattr(model, "inputs", None), getattr(model, "outputs", None)
+    if not isinstance(model, Functional) or not inputs:
+        raise TypeError(
+            f"make_private needs a functional or Sequential model with known inputs; {model.name} is a "
+            "subclassed or unbuilt model. Subclass tf_dp.DPModel instead of keras.Model, or build the "
+            "Sequential with a keras.Input first."
+        )
+    return DPModel(model.inputs if len(model.inputs) > 1 else model.inputs[0],
+                   model.outputs if len(model.outputs) > 1 else model.outputs[0], name=f"{model.name}_private")

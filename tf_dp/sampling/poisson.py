@@ -1,0 +1,84 @@
+"""Poisson batch selection with static shapes (ALGORITHMS §1 step 1).
+
+Each step every example joins the batch independently with probability q = L/N — the
+sampling the accountant assumes. The realized batch (size k ~ Binomial(N, q)) is laid out
+in ⌈k/P⌉ chunks of a fixed physical size P, padded with a 0/1 mask: shapes are static
+for XLA, no example is ever dropped, and padded rows contribute nothing. The train step
+sums the clipped gradients of all chunks and applies noise once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+import numpy as np
+
+from tf_dp import _checks
+
+
+def sample_poisson_batch(rng: np.random.Generator, num_examples: int, sampling_rate: float) -> np.ndarray:
+    """Indices of the examples drawn, each independently with probability ``sampling_rate``."""
+    return np.flatnonzero(rng.random(num_examples) < sampling_rate)
+
+
+def _binomial_log_pmf(n: int, p: float, k: np.ndarray) -> np.ndarray:
+    lgamma = np.vectorize(math.lgamma)
+    return lgamma(n + 1) - lgamma(k + 1) - lgamma(n - k + 1) + k * math.log(p) + (n - k) * math.log1p(-p)
+
+
+def choose_physical_batch_size(num_examples: int, sampling_rate: float) -> int:
+    """P minimizing the expected rows processed per step, E[⌈k/P⌉]·P, k ~ Binomial(N, q).
+
+    Too small a P often needs a second, mostly padded chunk; too large a P pads every
+    step. Candidates are multiples of 8 from L up to L + 6√L.
+    """
+    mean = num_examples * sampling_rate
+    if sampling_rate >= 1:
+        return num_examples
+    std = math.sqrt(mean * (1 - sampling_rate))
+    high = min(num_examples, int(math.ceil(mean + 10 * std + 10)))
+    sizes = np.arange(0, high + 1)
+    pmf = np.exp(_binomial_log_pmf(num_examples, sampling_rate, sizes))
+    candidates = range(max(8, int(mean) // 8 * 8), max(16, int(mean + 6 * std) + 8), 8)
+
+    def expected_rows(physical: int) -> float:
+        chunks = np.maximum(1, np.ceil(sizes / physical))
+        return float(np.sum(pmf * chunks * physical))
+
+    return min(candidates, key=expected_rows)
+
+
+def chunk(indices: np.ndarray, physical_batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lays ``indices`` out as [n_chunks, P] (padding with index 0) and the 0/1 mask."""
+    chunks = max(1, math.ceil(len(indices) / physical_batch_size))
+    padded = np.zeros(chunks * physical_batch_size, dtype=np.int64)
+    mask = np.zeros(chunks * physical_batch_size, dtype=np.float32)
+    padded[: len(indices)] = indices
+    mask[: len(indices)] = 1.0
+    return padded.reshape(chunks, physical_batch_size), mask.reshape(chunks, physical_batch_size)
+
+
+class PoissonSampler:
+    """Endless stream of Poisson batches as (index chunks, mask) of static width P.
+
+    Args:
+      num_examples: N.
+      expected_batch_size: L; the sampling rate is q = L / N.
+      physical_batch_size: P (None chooses it by ``choose_physical_batch_size``).
+      seed: numpy seed for the batch selection (None: fresh OS entropy).
+    """
+
+    def __init__(self, num_examples: int, expected_batch_size: int, physical_batch_size: Optional[int] = None,
+                 seed: Optional[int] = None):
+        self.num_examples = _checks.positive_int("num_examples", num_examples)
+        self.expected_batch_size = _checks.batch_size_for(num_examples, expected_batch_size)
+        self.sampling_rate = self.expected_batch_size / self.num_examples
+        if physical_batch_size is None:
+            physical_batch_size = choose_physical_batch_size(self.num_examples, self.sampling_rate)
+        self.physical_batch_size = _checks.positive_int("physical_batch_size", physical_batch_size)
+        self._rng = np.random.default_rng(seed)
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        while True:
+            yield chunk(sample_poisson_batch(self._rng, self.num_examples, self.sampling_rate), self.physical_batch_size)
