@@ -8,10 +8,11 @@ PLD 2.382.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
-import dp_accounting
+from absl import logging as absl_logging
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
@@ -35,8 +36,21 @@ def epsilon_of_event(event: dp_event.DpEvent, delta: float, accountant: str = "r
     """ε at ``delta`` of any ``dp_accounting`` event."""
     delta = _checks.delta(delta)
     engine = _accountant(accountant)
-    engine.compose(event)
-    return float(engine.get_epsilon(delta))
+    with _quiet_absl():
+        engine.compose(event)
+        return float(engine.get_epsilon(delta))
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """dp_accounting logs a warning for each fractional RDP order it drops as
+    non-convergent (a harmless exclusion); keep `fit` output readable."""
+    previous = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(previous)
 
 
 def steps_for(num_examples: int, batch_size: int, epochs: Optional[float], steps: Optional[int]) -> int:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import keras
 import numpy as np
+import tensorflow as tf
 from dp_accounting import dp_event
 
 from tf_dp.accounting.accountant import epsilon_of_event
@@ -45,21 +45,28 @@ class Phase:
         return dp_event.SelfComposedDpEvent(step, self.steps)
 
 
-@keras.saving.register_keras_serializable(package="tf_dp")
-class PrivacyLedger(keras.layers.Layer):
-    """Keeps the phases and the DP step counter as non-trainable variables."""
+class PrivacyLedger(tf.Module):
+    """Keeps the phases and the DP step counter as TF variables.
 
-    def __init__(self, **kwargs):
-        kwargs.setdefault("name", "privacy_ledger")
-        super().__init__(trainable=False, **kwargs)
-        self.phase_table = self.add_weight(
-            shape=(MAX_PHASES, _COLUMNS), dtype="float64", initializer="zeros", trainable=False, name="phases"
-        )
-        self.steps = self.add_weight(shape=(), dtype="int64", initializer="zeros", trainable=False, name="steps")
-        self.built = True
+    Deliberately not a Keras layer: it is not among ``model.weights``, so copying weights
+    between models (``set_weights``) can never reset a model's privacy record. DP models
+    write it into ``.keras`` files and checkpoints themselves.
+    """
 
-    def call(self, inputs):
-        return inputs
+    STORE_KEYS = ("privacy_ledger_phases", "privacy_ledger_steps")
+
+    def __init__(self):
+        super().__init__(name="privacy_ledger")
+        self.phase_table = tf.Variable(np.zeros((MAX_PHASES, _COLUMNS)), dtype=tf.float64, trainable=False, name="phases")
+        self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="steps")
+
+    def save_to(self, store) -> None:
+        store[self.STORE_KEYS[0]] = self.phase_table.numpy()
+        store[self.STORE_KEYS[1]] = self.steps.numpy()
+
+    def load_from(self, store) -> None:
+        self.phase_table.assign(np.asarray(store[self.STORE_KEYS[0]]))
+        self.steps.assign(np.asarray(store[self.STORE_KEYS[1]]))
 
     def _rows(self) -> np.ndarray:
         table = np.asarray(self.phase_table.numpy())

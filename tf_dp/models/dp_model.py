@@ -266,6 +266,34 @@ class DPModelMixin:
     def privacy_settings(self) -> dict:
         return dict(self._dp)
 
+    # ------------------------------------ compile settings and ledger in .keras files
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        if config:
+            settings = self._dp
+            config["privacy"] = {
+                "delta": settings["delta"], "accountant": settings["accountant"],
+                "target_epsilon": settings["target_epsilon"], "clipping_engine": settings["engine"],
+            }
+        return config
+
+    def compile_from_config(self, config):
+        config = dict(config)
+        privacy = config.pop("privacy", {})
+        self.compile(**keras.saving.deserialize_keras_object(config), **privacy)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        self.privacy_ledger.save_to(store)
+
+    def load_own_variables(self, store):
+        keys = set(store.keys())
+        if set(PrivacyLedger.STORE_KEYS) <= keys:
+            self.privacy_ledger.load_from(store)
+        super().load_own_variables({k: store[k] for k in keys - set(PrivacyLedger.STORE_KEYS)})
+
 
 def _split_tail(x, y, fraction):
     fraction = _checks.in_open_unit_interval("validation_split", fraction)

@@ -1,0 +1,113 @@
+"""Per-example norms and clipped sums: ghost == vectorized_map == a Python loop."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import flat_norms, loop_per_example_gradients, sparse_ce
+from tf_dp.clipping import GhostRule, clipped_gradient_sum, ghost_rule_for, register_ghost_rule
+
+BATCH = 6
+
+
+def dense_model():
+    inputs = keras.Input((7,))
+    hidden = keras.layers.Dense(5, activation="tanh")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3)(hidden)), np.random.randn(BATCH, 7).astype("float32")
+
+
+def dense_sequence_model():
+    inputs = keras.Input((4, 6))
+    hidden = keras.layers.Dense(5, activation="relu")(inputs)  # Dense on a sequence axis
+    hidden = keras.layers.Dense(40, use_bias=False)(hidden)  # wide: takes the explicit (non-Gram) branch
+    outputs = keras.layers.Dense(3)(keras.layers.Flatten()(hidden))
+    return keras.Model(inputs, outputs), np.random.randn(BATCH, 4, 6).astype("float32")
+
+
+def embedding_model():
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Embedding(11, 4)(inputs)
+    hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(6, activation="relu")(hidden))
+    ids = np.random.randint(0, 11, (BATCH, 5)).astype("int32")
+    ids[0, :3] = 2  # repeated ids within one example exercise the cross terms
+    return keras.Model(inputs, keras.layers.Dense(3)(hidden)), ids
+
+
+def mixed_model():
+    """Ghost rules (Dense, Embedding) mixed with per-example fallbacks (LayerNorm, Conv1D)."""
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(9, 8)(inputs)
+    hidden = keras.layers.Conv1D(4, 3, activation="relu")(hidden)
+    hidden = keras.layers.LayerNormalization()(hidden)
+    hidden = keras.layers.Dense(5, activation="relu")(keras.layers.Flatten()(hidden))
+    return keras.Model(inputs, keras.layers.Dense(3)(hidden)), np.random.randint(0, 9, (BATCH, 6)).astype("int32")
+
+
+MODELS = [dense_model, dense_sequence_model, embedding_model, mixed_model]
+
+
+@pytest.mark.parametrize("build", MODELS, ids=lambda f: f.__name__)
+def test_norms_agree_ghost_vectorized_loop(build):
+    model, x = build()
+    y = np.random.randint(0, 3, BATCH).astype("int32")
+    mask = tf.ones(BATCH)
+    loop = flat_norms(loop_per_example_gradients(model, x, y))
+    for engine in ("ghost", "vectorized"):
+        result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), mask, 1e9, engine=engine)
+        # float32 sums of O(100) terms: relative error ~1e-6; 1e-4 leaves margin but
+        # catches any missing cross term (those are O(1) relative).
+        np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), loop, rtol=1e-4, err_msg=engine)
+
+
+@pytest.mark.parametrize("build", MODELS, ids=lambda f: f.__name__)
+def test_clipped_sum_matches_loop(build):
+    model, x = build()
+    y = np.random.randint(0, 3, BATCH).astype("int32")
+    per_example = loop_per_example_gradients(model, x, y)
+    norms = flat_norms(per_example)
+    clip = float(np.median(norms))  # half the examples are clipped
+    mask = np.ones(BATCH, "float32")
+    mask[-1] = 0.0  # a padded row must contribute nothing
+    expected = [
+        sum(min(1.0, clip / norms[i]) * mask[i] * per_example[i][v] for i in range(BATCH))
+        for v in range(len(model.trainable_variables))
+    ]
+    result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.constant(mask), clip)
+    for got, want in zip(result.clipped_sums, expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_each_clipped_contribution_is_bounded_by_clip():
+    model, x = dense_model()
+    y = np.random.randint(0, 3, BATCH).astype("int32")
+    x[0] *= 1000.0  # gradient norm far above C
+    clip = 1e-3
+    for i in range(BATCH):
+        mask = np.zeros(BATCH, "float32")
+        mask[i] = 1.0
+        result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.constant(mask), clip)
+        norm = np.sqrt(sum(float(tf.reduce_sum(tf.square(g))) for g in result.clipped_sums))
+        assert norm <= clip * (1 + 1e-5)
+
+
+def test_dense_with_lora_falls_back_to_per_example_path():
+    layer = keras.layers.Dense(4)
+    layer.build((None, 3))
+    assert ghost_rule_for(layer) is not None
+    layer.enable_lora(2)
+    assert ghost_rule_for(layer) is None
+
+
+def test_register_rule_validates_arguments():
+    with pytest.raises(TypeError, match="layer_class"):
+        register_ghost_rule("Dense", None)
+    with pytest.raises(TypeError, match="GhostRule"):
+        register_ghost_rule(keras.layers.Dense, object())
+    assert issubclass(type(ghost_rule_for(keras.layers.Dense(2))), GhostRule)
+
+
+def test_unknown_engine_is_refused():
+    model, x = dense_model()
+    with pytest.raises(ValueError, match="engine"):
+        clipped_gradient_sum(model, sparse_ce, x, np.zeros(BATCH, "int32"), tf.ones(BATCH), 1.0, engine="fast")
