@@ -111,3 +111,32 @@ def test_unknown_engine_is_refused():
     model, x = dense_model()
     with pytest.raises(ValueError, match="engine"):
         clipped_gradient_sum(model, sparse_ce, x, np.zeros(BATCH, "int32"), tf.ones(BATCH), 1.0, engine="fast")
+
+
+def conv_model():
+    inputs = keras.Input((9, 9, 2))
+    hidden = keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="relu")(inputs)
+    hidden = keras.layers.Conv2D(4, 2, padding="valid", dilation_rate=1)(hidden)
+    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden))), np.random.randn(BATCH, 9, 9, 2).astype("float32")
+
+
+def conv1d_model():
+    inputs = keras.Input((10, 3))
+    hidden = keras.layers.Conv1D(4, 3, strides=2, padding="same", activation="tanh")(inputs)
+    hidden = keras.layers.Conv1D(2, 2, dilation_rate=2, use_bias=False)(hidden)
+    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden))), np.random.randn(BATCH, 10, 3).astype("float32")
+
+
+@pytest.mark.parametrize("build", [conv_model, conv1d_model], ids=lambda f: f.__name__)
+def test_conv_ghost_rule_matches_loop(build):
+    model, x = build()
+    assert all(ghost_rule_for(layer) is not None for layer in model.layers if layer.trainable_weights)
+    y = np.random.randint(0, 3, BATCH).astype("int32")
+    per_example = loop_per_example_gradients(model, x, y)
+    norms = flat_norms(per_example)
+    clip = float(np.median(norms))
+    result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(BATCH), clip)
+    np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), norms, rtol=1e-4)
+    for v, got in enumerate(result.clipped_sums):
+        want = sum(min(1.0, clip / norms[i]) * per_example[i][v] for i in range(BATCH))
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)

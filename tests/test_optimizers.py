@@ -44,11 +44,13 @@ def _noise_only_model(units):
     return model, x
 
 
-def test_noise_std_on_average_is_sigma_clip_over_batch():
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_noise_std_on_average_is_sigma_clip_over_batch(jit_compile):
     units, sigma, clip, lr = 20000, 1.3, 0.7, 1.0
     model, x = _noise_only_model(units)
     # Loss with zero gradient everywhere: MSE at the target equal to the prediction (0).
-    model.compile(optimizer=tf_dp.DPSGD(lr, l2_norm_clip=clip, noise_multiplier=sigma, seed=3), loss="mse")
+    model.compile(optimizer=tf_dp.DPSGD(lr, l2_norm_clip=clip, noise_multiplier=sigma, seed=3), loss="mse",
+                  jit_compile=jit_compile)
     y = np.zeros((8, units), "float32")
     before = weights(model)[1]
     model.train_on_batch(x, y)

@@ -1,5 +1,6 @@
 """Per-example norms and clipping: ghost rules where a layer has one, vectorized_map elsewhere."""
 
+from tf_dp.clipping import conv as _conv  # noqa: F401  (registers the Conv1D/Conv2D rule)
 from tf_dp.clipping import dense as _dense  # noqa: F401  (registers the Dense rule)
 from tf_dp.clipping import embedding as _embedding  # noqa: F401  (registers the Embedding rule)
 from tf_dp.clipping.clip import clip_factors

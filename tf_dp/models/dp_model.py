@@ -242,7 +242,7 @@ class DPModelMixin:
             target, num_examples, batch_size, steps=max(planned_steps, 1), delta=self._dp["delta"],
             accountant=self._dp["accountant"], prior_event=self._prior_event(),
         )
-        self.optimizer.noise_multiplier = sigma
+        self.optimizer.noise_multiplier = float(np.nextafter(np.float32(sigma), np.float32(np.inf)))  # float32 ≥ σ
         print(f"tf_dp: noise_multiplier calibrated to {sigma:.4f} for ε ≤ {target} at δ = {self._dp['delta']:g} "
               f"over {planned_steps} steps ({self._dp['accountant'].upper()}).")
         return [PrivacyReport(), PrivacyBudget(target)]

@@ -46,7 +46,7 @@ class DPOptimizer:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
         self._user_seed = None if seed is None else int(seed)
-        noise_key = [int(seed if seed is not None else new_seed()) & (2**63 - 1), 0x7F_D9]
+        noise_key = int(seed if seed is not None else new_seed()) & (2**63 - 1)
         with keras.name_scope(self.name, caller=self):
             self._l2_norm_clip = self._dp_variable("l2_norm_clip", l2_norm_clip, "float32")
             self._noise_multiplier = self._dp_variable(

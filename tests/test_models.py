@@ -1,0 +1,190 @@
+"""DPModel end to end: Poisson fit, ledger/accountant agreement, saving, errors."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dp
+from conftest import sparse_ce
+from tf_dp.accounting import compute_epsilon
+
+N, FEATURES, CLASSES = 200, 6, 3
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, FEATURES)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")
+    return x, y
+
+
+def functional(sigma=1.0, seed=0, learning_rate=0.2, **compile_kwargs):
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    model = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES)(hidden))
+    model.compile(optimizer=tf_dp.DPSGD(learning_rate, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed), loss=sparse_ce,
+                  metrics=["accuracy"], **compile_kwargs)
+    return model
+
+
+def test_fit_reports_epsilon_that_matches_the_accountant():
+    x, y = data()
+    model = functional(sigma=1.3)
+    history = model.fit(x, y, batch_size=20, epochs=2, verbose=0)
+    steps = 2 * 10  # ⌈N/L⌉ = 10 steps per epoch
+    phase = model.privacy_ledger.phases()[0]
+    assert (phase.scheme, phase.steps, phase.num_examples) == ("poisson", steps, N)
+    assert phase.sampling_rate == pytest.approx(20 / N)
+    assert phase.noise_multiplier == pytest.approx(1.3)
+    expected = compute_epsilon(N, 20, model.optimizer.noise_multiplier, steps=steps, delta=1e-5)
+    assert history.history["epsilon"][-1] == pytest.approx(expected, rel=1e-9)
+    assert history.history["epsilon"][0] < history.history["epsilon"][1]
+    assert model.get_epsilon() == pytest.approx(expected, rel=1e-9)
+
+
+def test_fit_learns_without_noise_and_accepts_unbatched_dataset():
+    x, y = data()
+    model = functional(sigma=0.0, learning_rate=1.0)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    model.fit(dataset, batch_size=20, epochs=10, verbose=0)
+    assert model.evaluate(x, y, verbose=0)[1] > 0.8  # a 3-class problem: chance is < 0.5
+    assert model.privacy_ledger.phases()[0].scheme == "poisson"
+
+
+def test_batched_dataset_is_accounted_without_amplification_and_warns():
+    x, y = data()
+    model = functional(sigma=1.0)
+    with pytest.warns(UserWarning, match="BATCHED"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(20), epochs=1, verbose=0)
+    phase = model.privacy_ledger.phases()[0]
+    assert phase.scheme == "batches" and phase.steps == 10
+    assert model.get_epsilon() > 3 * compute_epsilon(N, 20, 1.0, steps=10)
+
+
+def test_save_and_load_keeps_optimizer_state_ledger_and_continues_identically():
+    x, y = data()
+    model = tf_dp.DPSequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=tf_dp.DPAdamW(0.01, noise_multiplier=1.0, seed=3, noise_bias_correction=True),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), accountant="pld", delta=1e-4)
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    path = f"{pytest.importorskip('tempfile').mkdtemp()}/model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, tf_dp.DPSequential) and isinstance(loaded.optimizer, tf_dp.DPAdamW)
+    assert loaded.privacy_settings["accountant"] == "pld" and loaded.privacy_settings["delta"] == 1e-4
+    assert int(loaded.privacy_ledger.steps.numpy()) == 10
+    assert loaded.get_epsilon() == pytest.approx(model.get_epsilon())
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    batch = x[:8], y[:8]
+    model.train_on_batch(*batch)
+    loaded.train_on_batch(*batch)
+    for a, b in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_set_weights_cannot_reset_the_ledger():
+    x, y = data()
+    model = functional()
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    fresh = functional()
+    model.set_weights(fresh.get_weights())
+    assert int(model.privacy_ledger.steps.numpy()) == 10
+
+
+def test_make_private_shares_layers_and_weights():
+    inputs = keras.Input((FEATURES,))
+    plain = keras.Model(inputs, keras.layers.Dense(CLASSES)(inputs))
+    private = tf_dp.make_private(plain)
+    assert isinstance(private, tf_dp.DPModel)
+    assert [id(v) for v in private.trainable_variables] == [id(v) for v in plain.trainable_variables]
+    private.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=0.5), loss=sparse_ce)
+    before = plain.get_weights()[0].copy()
+    private.train_on_batch(*[a[:10] for a in data()])
+    assert not np.allclose(plain.get_weights()[0], before)
+
+
+def test_subclassed_dp_model_trains():
+    class Net(tf_dp.DPModel):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(8, activation="relu")
+            self.out = keras.layers.Dense(CLASSES)
+
+        def call(self, inputs):
+            return self.out(self.hidden(inputs))
+
+    x, y = data()
+    model = Net()
+    model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=sparse_ce)
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    assert int(model.privacy_ledger.steps.numpy()) == 10
+    assert not isinstance(tf_dp.DPModel.__mro__, type(keras.Model)) and "Functional" not in [
+        c.__name__ for c in tf_dp.DPModel.__mro__
+    ]
+
+
+def test_xla_step_matches_graph_step():
+    """Clipping is identical under XLA. (Philox noise streams differ between XLA and TF
+    kernels by design; the noise statistics under XLA are tested in test_optimizers.)"""
+    x, y = data()
+    graph, xla = functional(sigma=0.0, seed=9), functional(sigma=0.0, seed=9, jit_compile=True)
+    xla.set_weights(graph.get_weights())
+    for model in (graph, xla):
+        model.train_on_batch(x[:16], y[:16])
+    for a, b in zip(graph.get_weights(), xla.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_target_epsilon_calibrates_sigma_and_stops_at_budget():
+    x, y = data()
+    model = functional(sigma=None, target_epsilon=2.0, delta=1e-4)
+    model.fit(x, y, batch_size=20, epochs=3, verbose=0)
+    assert model.optimizer.noise_multiplier > 0
+    assert model.get_epsilon() <= 2.0
+    assert model.get_epsilon() > 1.9  # calibrated to the budget, not far below it
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)  # the little budget left: huge σ
+    assert model.get_epsilon() <= 2.0
+    with pytest.raises(ValueError, match="already spent"):
+        model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[tf_dp.PrivacyBudget(model.get_epsilon())])
+
+
+def test_budget_callback_stops_before_exceeding():
+    x, y = data()
+    model = functional(sigma=1.0)
+    budget = compute_epsilon(N, 20, model.optimizer.noise_multiplier, steps=15)
+    model.fit(x, y, batch_size=20, epochs=5, verbose=0, callbacks=[tf_dp.PrivacyBudget(budget)])
+    assert int(model.privacy_ledger.steps.numpy()) == 15
+    assert model.get_epsilon() <= budget
+
+
+def test_bad_inputs_are_refused_with_named_errors():
+    x, y = data()
+    model = functional()
+    with pytest.raises(ValueError, match="batch_size"):
+        model.fit(x, y, batch_size=N + 1, epochs=1, verbose=0)
+    with pytest.raises(TypeError, match="RaggedTensor"):
+        model.fit(tf.ragged.constant([[1.0], [1.0, 2.0]]), y[:2], batch_size=1, verbose=0)
+    with pytest.raises(ValueError, match="delta"):
+        functional(delta=1.0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        functional(sigma=None).fit(x, y, batch_size=20, verbose=0)
+    inputs = keras.Input((FEATURES,))
+    with_bn = tf_dp.DPModel(inputs, keras.layers.BatchNormalization()(keras.layers.Dense(3)(inputs)))
+    with pytest.raises(ValueError, match="GroupNormalization"):
+        with_bn.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=sparse_ce)
+
+
+def test_import_is_quiet(tmp_path):
+    import subprocess
+    import sys
+
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    result = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", "import tf_dp"], capture_output=True,
+                            text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    assert "tf_dp" not in result.stderr

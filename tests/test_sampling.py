@@ -1,0 +1,59 @@
+"""Poisson sampling: the batch distribution the accountant assumes."""
+
+import numpy as np
+import pytest
+
+from tf_dp.sampling import PoissonSampler, choose_physical_batch_size, chunk, sample_poisson_batch
+
+
+def test_batch_size_mean_and_variance_match_binomial():
+    n, q, draws = 2000, 0.05, 4000
+    rng = np.random.default_rng(0)
+    sizes = np.array([len(sample_poisson_batch(rng, n, q)) for _ in range(draws)])
+    mean, var = n * q, n * q * (1 - q)  # L and L(1−q)
+    # Standard error of the sample mean: sqrt(var/draws); of the sample variance:
+    # var·sqrt(2/(draws−1)) (normal approximation). Both checked at 5 standard errors.
+    assert abs(sizes.mean() - mean) < 5 * np.sqrt(var / draws)
+    assert abs(sizes.var(ddof=1) - var) < 5 * var * np.sqrt(2 / (draws - 1))
+
+
+def test_every_example_is_sampled_independently_at_rate_q():
+    n, q, draws = 50, 0.2, 5000
+    rng = np.random.default_rng(1)
+    counts = np.zeros(n)
+    pair = 0  # examples 0 and 1 drawn together
+    for _ in range(draws):
+        batch = sample_poisson_batch(rng, n, q)
+        counts[batch] += 1
+        pair += (0 in batch) and (1 in batch)
+    assert counts.min() > 0
+    tolerance = 5 * np.sqrt(q * (1 - q) / draws)  # per-example frequency, 5 standard errors
+    assert np.all(np.abs(counts / draws - q) < tolerance)
+    assert abs(pair / draws - q * q) < 5 * np.sqrt(q * q * (1 - q * q) / draws)  # independence
+
+
+def test_chunks_keep_every_drawn_example_and_mask_padding():
+    indices = np.arange(0, 23) * 3
+    padded, mask = chunk(indices, 8)
+    assert padded.shape == mask.shape == (3, 8)
+    np.testing.assert_array_equal(padded.reshape(-1)[mask.reshape(-1) == 1], indices)
+    assert mask.sum() == 23
+    empty, empty_mask = chunk(np.array([], np.int64), 8)
+    assert empty.shape == (1, 8) and empty_mask.sum() == 0
+
+
+def test_sampler_overflow_uses_more_chunks_not_drops():
+    sampler = PoissonSampler(1000, 100, physical_batch_size=64, seed=0)
+    for _, (indices, mask) in zip(range(20), sampler):
+        assert indices.shape[1] == 64 and indices.shape[0] >= 2
+        assert len(np.unique(indices[mask == 1])) == mask.sum()
+
+
+def test_physical_batch_size_covers_typical_batches():
+    physical = choose_physical_batch_size(60000, 256 / 60000)
+    assert 256 <= physical <= 256 + 6 * 16 and physical % 8 == 0
+
+
+def test_sampler_rejects_batch_larger_than_dataset():
+    with pytest.raises(ValueError, match="batch_size"):
+        PoissonSampler(10, 11)
