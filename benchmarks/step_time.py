@@ -1,0 +1,104 @@
+"""ms/step of a DP-SGD step against a non-private Keras step, same model, same process.
+
+Rounds alternate DP and non-private timings; the figure reported is the median of
+per-round ratios (robust to drift of a shared 2-core machine). Prints a Markdown table
+and writes JSON.
+
+    python benchmarks/step_time.py                      # MLP and CNN, batch 256, graph and XLA
+    python benchmarks/step_time.py --models=mlp --jit=false --batch_size=1024
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+import tf_dp  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["mlp", "cnn"], "Models to time: mlp (784-512-512-10), cnn (tensorflow-privacy tutorial).")
+flags.DEFINE_list("jit", ["false", "true"], "XLA settings to time.")
+flags.DEFINE_list("engines", ["ghost"], "Clipping engines to time (ghost, vectorized).")
+flags.DEFINE_integer("batch_size", 256, "Batch size.")
+flags.DEFINE_integer("rounds", 5, "Alternating rounds.")
+flags.DEFINE_integer("steps", 20, "Steps per timing.")
+flags.DEFINE_string("output", "benchmarks/results/step_time.json", "Where to write the JSON results.")
+
+
+def mlp():
+    inputs = keras.Input((28, 28, 1))
+    x = keras.layers.Flatten()(inputs)
+    x = keras.layers.Dense(512, activation="relu")(x)
+    x = keras.layers.Dense(512, activation="relu")(x)
+    return inputs, keras.layers.Dense(10)(x)
+
+
+def cnn():
+    inputs = keras.Input((28, 28, 1))
+    x = keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="relu")(inputs)
+    x = keras.layers.MaxPooling2D(2, 1)(x)
+    x = keras.layers.Conv2D(32, 4, strides=2, padding="valid", activation="relu")(x)
+    x = keras.layers.MaxPooling2D(2, 1)(x)
+    x = keras.layers.Dense(32, activation="relu")(keras.layers.Flatten()(x))
+    return inputs, keras.layers.Dense(10)(x)
+
+
+def _ms_per_step(model, x, y, steps):
+    start = time.perf_counter()
+    for _ in range(steps):
+        model.train_on_batch(x, y)
+    return (time.perf_counter() - start) / steps * 1000
+
+
+def measure(name, build, jit, engine):
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x = np.random.rand(FLAGS.batch_size, 28, 28, 1).astype("float32")
+    y = np.random.randint(0, 10, FLAGS.batch_size)
+    private = tf_dp.DPModel(*build())
+    private.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, seed=0), loss=loss, jit_compile=jit,
+                    clipping_engine=engine)
+    plain = keras.Model(*build())
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=jit)
+    for model in (private, plain):  # trace/compile outside the timings
+        _ms_per_step(model, x, y, 3)
+    dp_times, plain_times = [], []
+    for _ in range(FLAGS.rounds):
+        dp_times.append(_ms_per_step(private, x, y, FLAGS.steps))
+        plain_times.append(_ms_per_step(plain, x, y, FLAGS.steps))
+    ratios = [d / p for d, p in zip(dp_times, plain_times)]
+    return {
+        "model": name, "jit_compile": jit, "engine": engine, "batch_size": FLAGS.batch_size,
+        "plain_ms": statistics.median(plain_times), "dp_ms": statistics.median(dp_times),
+        "ratio": statistics.median(ratios),
+    }
+
+
+def main(argv):
+    del argv
+    builders = {"mlp": mlp, "cnn": cnn}
+    results = [
+        measure(name, builders[name], jit == "true", engine)
+        for name in FLAGS.models for jit in FLAGS.jit for engine in FLAGS.engines
+    ]
+    print(f"\nbatch {FLAGS.batch_size}, {os.cpu_count()} cores, median of {FLAGS.rounds} alternating rounds "
+          f"of {FLAGS.steps} steps\n")
+    print("| model | XLA | engine | non-private ms/step | DP ms/step | DP / non-private |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['model']} | {r['jit_compile']} | {r['engine']} | {r['plain_ms']:.1f} | {r['dp_ms']:.1f} | "
+              f"{r['ratio']:.2f}x |")
+    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
+    with open(FLAGS.output, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
