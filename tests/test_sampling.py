@@ -57,3 +57,24 @@ def test_physical_batch_size_covers_typical_batches():
 def test_sampler_rejects_batch_larger_than_dataset():
     with pytest.raises(ValueError, match="batch_size"):
         PoissonSampler(10, 11)
+
+
+def test_fit_stream_samples_at_the_rate_the_ledger_records():
+    """The stream DPModel.fit trains on draws Poisson batches of mean L = q·N and carries
+    L as the denominator: if either drifted from what the ledger records, this fails."""
+    from tf_dp.models.data import poisson_dataset
+
+    n, batch, steps = 500, 25, 400
+    x = np.arange(n, dtype=np.float32)[:, None]
+    y = np.arange(n, dtype=np.int32)
+    sizes, seen = [], set()
+    for element in poisson_dataset(x, y, n, batch, None, seed=0).take(steps):
+        mask = element["mask"].numpy().reshape(-1)
+        rows = element["x"].numpy().reshape(-1)[mask == 1]
+        np.testing.assert_array_equal(rows, element["y"].numpy().reshape(-1)[mask == 1])  # x, y aligned
+        assert float(element["expected_batch_size"]) == batch
+        sizes.append(mask.sum())
+        seen.update(rows.astype(int))
+    q = batch / n
+    assert abs(np.mean(sizes) - batch) < 5 * np.sqrt(batch * (1 - q) / steps)  # 5 standard errors
+    assert len(seen) > 0.99 * n
