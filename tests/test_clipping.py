@@ -140,3 +140,37 @@ def test_conv_ghost_rule_matches_loop(build):
     for v, got in enumerate(result.clipped_sums):
         want = sum(min(1.0, clip / norms[i]) * per_example[i][v] for i in range(BATCH))
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+
+
+def _loop_at(model, x, y, weights):
+    originals = [v.numpy() for v in model.trainable_variables]
+    for v, w in zip(model.trainable_variables, weights):
+        v.assign(w)
+    try:
+        return loop_per_example_gradients(model, x, y)
+    finally:
+        for v, w in zip(model.trainable_variables, originals):
+            v.assign(w)
+
+
+@pytest.mark.parametrize("build", [dense_model, mixed_model, conv_model], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_two_point_observation_is_clipped_as_one_vector(build, engine):
+    """u_i = c·∇ℓ(θ+γd; x_i) + (1−c)·∇ℓ(θ; x_i), combined BEFORE clipping (DiSK/FIBER)."""
+    from tf_dp.clipping import EvaluationPoint
+
+    model, x = build()
+    y = np.random.randint(0, 3, BATCH).astype("int32")
+    shifted = [v.numpy() + 0.3 * np.random.randn(*v.shape).astype("float32") for v in model.trainable_variables]
+    c = 1.7  # c = (1−κ)/(κγ) may exceed 1: then 1 − c < 0
+    at_shift, at_current = _loop_at(model, x, y, shifted), loop_per_example_gradients(model, x, y)
+    u = [[c * a + (1 - c) * b for a, b in zip(at_shift[i], at_current[i])] for i in range(BATCH)]
+    norms = flat_norms(u)
+    clip = float(np.median(norms))
+    points = (EvaluationPoint(c, [tf.constant(w) for w in shifted]), EvaluationPoint(1 - c))
+    result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(BATCH), clip,
+                                  engine=engine, points=points)
+    np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), norms, rtol=1e-4)
+    for v, got in enumerate(result.clipped_sums):
+        want = sum(min(1.0, clip / norms[i]) * u[i][v] for i in range(BATCH))
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)

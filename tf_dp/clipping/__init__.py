@@ -4,11 +4,11 @@ from tf_dp.clipping import conv as _conv  # noqa: F401  (registers the Conv1D/Co
 from tf_dp.clipping import dense as _dense  # noqa: F401  (registers the Dense rule)
 from tf_dp.clipping import embedding as _embedding  # noqa: F401  (registers the Embedding rule)
 from tf_dp.clipping.clip import clip_factors
-from tf_dp.clipping.engine import ENGINES, ClippedBatch, clipped_gradient_sum
+from tf_dp.clipping.engine import CURRENT_WEIGHTS, ENGINES, ClippedBatch, EvaluationPoint, clipped_gradient_sum, forward
 from tf_dp.clipping.per_example import per_example_gradients
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, ghost_rule_for, register_ghost_rule
 
 __all__ = [
-    "ENGINES", "ClippedBatch", "Contribution", "GhostRule", "Recording", "clip_factors",
+    "CURRENT_WEIGHTS", "ENGINES", "ClippedBatch", "EvaluationPoint", "forward", "Contribution", "GhostRule", "Recording", "clip_factors",
     "clipped_gradient_sum", "ghost_rule_for", "per_example_gradients", "register_ghost_rule",
 ]

@@ -14,8 +14,9 @@ slow, used as the reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
+import keras
 import tensorflow as tf
 
 from tf_dp.clipping.clip import clip_factors
@@ -33,6 +34,29 @@ class ClippedBatch:
     squared_norms: tf.Tensor  # ‖g_i‖² before clipping
 
 
+@dataclass(frozen=True)
+class EvaluationPoint:
+    """One term of the per-example observation u_i = Σ_k coefficient_k · ∇ℓ(θ_k; x_i).
+
+    ``weights`` are values for ``model.trainable_variables`` (None: the current θ). DP-SGD
+    uses the single point (1, θ); DiSK/FIBER use (c, θ + γd) and (1 − c, θ).
+    """
+
+    coefficient: float
+    weights: Optional[Sequence[tf.Tensor]] = None
+
+
+CURRENT_WEIGHTS = (EvaluationPoint(1.0),)
+
+
+def forward(model, x, weights: Optional[Sequence[tf.Tensor]] = None):
+    """model(x, training=True), at ``weights`` instead of the variables' values if given."""
+    if weights is None:
+        return model(x, training=True)
+    with keras.StatelessScope(state_mapping=list(zip(model.trainable_variables, weights))):
+        return model(x, training=True)
+
+
 def _trainable_units(model) -> list:
     """Layers (the model included) owning trainable variables of the model."""
     trainable = {id(v) for v in model.trainable_variables}
@@ -42,13 +66,31 @@ def _trainable_units(model) -> list:
     ]
 
 
-def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, use_ghost_rules=True) -> ClippedBatch:
+def _observation_losses(model, per_example_loss, x, y, points):
+    """Σ_k coefficient_k · ℓ(θ_k; x_i) per example, and the predictions and losses at θ_t
+    (the point without weights, else the first) for metrics."""
+    total, reported = 0.0, None
+    for point in points:
+        y_pred = forward(model, x, point.weights)
+        losses = per_example_loss(y, y_pred)
+        total = total + point.coefficient * losses
+        if reported is None or point.weights is None:
+            reported = (y_pred, losses)
+    return total, reported
+
+
+def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_rules=True) -> ClippedBatch:
+    # Every point's forward pass records into the same taps; a layer's recordings are
+    # concatenated along its sequence axis, so the cross terms between points (and
+    # between repeated calls of a shared layer) enter the per-example norm exactly.
     tap = LayerTap(_trainable_units(model), use_ghost_rules=use_ghost_rules)
     with tap:
         with tf.GradientTape() as tape:
-            y_pred = model(x, training=True)
-            losses = per_example_loss(y, y_pred)
-            total = tf.reduce_sum(losses * tf.cast(mask, losses.dtype))
+            for point in points:  # weight tensors, unlike variables, are not watched by default
+                if point.weights is not None:
+                    tape.watch(point.weights)
+            observation, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
+            total = tf.reduce_sum(observation * tf.cast(mask, observation.dtype))
         watched = tap.watched_tensors()
         output_grads = tape.gradient(total, watched)
     contributions = tap.contributions(output_grads)
@@ -62,22 +104,33 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, use_ghost_rules=Tr
     return ClippedBatch(sums, y_pred, losses, squared_norms)
 
 
-def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip) -> ClippedBatch:
-    grads = per_example_gradients(model, per_example_loss, x, y)
+def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points) -> ClippedBatch:
+    grads = None
+    for point in points:
+        at_point = per_example_gradients(model, per_example_loss, x, y, weights=point.weights)
+        at_point = [point.coefficient * g for g in at_point]
+        grads = at_point if grads is None else [a + b for a, b in zip(grads, at_point)]
     squared_norms = tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in grads])
     factors = clip_factors(squared_norms, l2_norm_clip, mask)
     sums = [tf.tensordot(tf.cast(factors, g.dtype), g, axes=1) for g in grads]
-    y_pred = model(x, training=True)
-    return ClippedBatch(sums, y_pred, per_example_loss(y, y_pred), squared_norms)
+    _, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
+    return ClippedBatch(sums, y_pred, losses, squared_norms)
 
 
 def clipped_gradient_sum(
-    model, per_example_loss: Callable, x, y, mask, l2_norm_clip, engine: str = "ghost"
+    model,
+    per_example_loss: Callable,
+    x,
+    y,
+    mask,
+    l2_norm_clip,
+    engine: str = "ghost",
+    points: Sequence[EvaluationPoint] = CURRENT_WEIGHTS,
 ) -> ClippedBatch:
-    """Σ_i mask_i · min(1, C/‖g_i‖) · g_i over the batch, g_i the flat per-example gradient
-    of ``per_example_loss`` over all of ``model.trainable_variables``."""
+    """Σ_i mask_i · min(1, C/‖u_i‖) · u_i over the batch, with the per-example observation
+    u_i = Σ_k a_k ∇ℓ(θ_k; x_i) (u_i = g_i for DP-SGD) flat over ``model.trainable_variables``."""
     if engine == "ghost":
-        return _ghost(model, per_example_loss, x, y, mask, l2_norm_clip)
+        return _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points)
     if engine == "vectorized":
-        return _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip)
+        return _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points)
     raise ValueError(f"`engine` must be one of {ENGINES}, got {engine!r}.")

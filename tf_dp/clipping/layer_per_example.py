@@ -9,6 +9,7 @@ i depends only on input row i (layers that mix examples are refused by the model
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording
@@ -41,8 +42,11 @@ class LayerPerExampleRule(GhostRule):
         return list(layer._trainable_variables)
 
     def tapped_call(self, layer, original_call, recordings, *args, **kwargs):
+        # The weight values in effect (possibly a perturbed point under a StatelessScope):
+        # the replay must differentiate the layer at exactly these values.
+        values = [tf.convert_to_tensor(v.value) for v in self.variables(layer)]
         outputs = original_call(*args, **kwargs)
-        recordings.append(Recording((args, kwargs), tf.nest.flatten(outputs), extras=original_call))
+        recordings.append(Recording((args, kwargs), tf.nest.flatten(outputs), extras=(original_call, values)))
         return outputs
 
     def contribution(self, layer, recordings, output_grads):
@@ -54,7 +58,7 @@ class LayerPerExampleRule(GhostRule):
         return MaterializedContribution(total)
 
     def _replay(self, recording: Recording, grads, variables):
-        (args, kwargs), original_call = recording.inputs, recording.extras
+        (args, kwargs), (original_call, values) = recording.inputs, recording.extras
         grads = [tf.zeros_like(w) if g is None else g for g, w in zip(grads, recording.watched)]
         flat_inputs = tf.nest.flatten((args, kwargs))
         batched = [i for i, v in enumerate(flat_inputs) if _is_batched_tensor(v)]
@@ -66,8 +70,10 @@ class LayerPerExampleRule(GhostRule):
                 flat[index] = value[None]
             call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), flat)
             with self._tap.paused(), tf.GradientTape() as tape:
-                outputs = tf.nest.flatten(original_call(*call_args, **call_kwargs))
-            vjp = tape.gradient(outputs, variables, output_gradients=[g[None] for g in example_grads])
+                tape.watch(values)
+                with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                    outputs = tf.nest.flatten(original_call(*call_args, **call_kwargs))
+            vjp = tape.gradient(outputs, values, output_gradients=[g[None] for g in example_grads])
             return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(vjp, variables)]
 
         return tf.vectorized_map(one_example, ([flat_inputs[i] for i in batched], grads))

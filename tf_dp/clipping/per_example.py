@@ -7,20 +7,27 @@ not interact, and memory-bound (P copies of the gradient). The fast engine
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
+import keras
 import tensorflow as tf
 
 
-def per_example_gradients(model, per_example_loss: Callable, x, y, training: bool = True) -> list[tf.Tensor]:
-    """Returns [P, *shape] per-example gradients for each of ``model.trainable_variables``."""
+def per_example_gradients(
+    model, per_example_loss: Callable, x, y, weights: Optional[Sequence[tf.Tensor]] = None
+) -> list[tf.Tensor]:
+    """[P, *shape] per-example gradients for each of ``model.trainable_variables``, at the
+    variables' values or at ``weights``."""
     variables = model.trainable_variables
+    values = [tf.convert_to_tensor(v.value) for v in variables] if weights is None else list(weights)
 
     def one_example(example):
         x_i, y_i = tf.nest.map_structure(lambda t: t[None], example)
         with tf.GradientTape() as tape:
-            loss = per_example_loss(y_i, model(x_i, training=training))[0]
-        grads = tape.gradient(loss, variables)
-        return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
+            tape.watch(values)
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                loss = per_example_loss(y_i, model(x_i, training=True))[0]
+        grads = tape.gradient(loss, values)
+        return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, values)]
 
     return tf.vectorized_map(one_example, (x, y))

@@ -19,8 +19,10 @@ from ._package_files import DataFileNotFoundError, DataPackage, DataPackageNotIn
 from ._split import Split
 from .adult import load_adult
 from .credit_default import load_credit_default
+from .fashion_mnist import load_fashion_mnist
 from .mnist import load_mnist
 from .parkinsons import PandasRequiredError, load_parkinsons
+from .tweets import load_tweets
 
 __all__ = [
     "DataFileNotFoundError",
@@ -30,6 +32,8 @@ __all__ = [
     "Split",
     "load_adult",
     "load_credit_default",
+    "load_fashion_mnist",
     "load_mnist",
     "load_parkinsons",
+    "load_tweets",
 ]
