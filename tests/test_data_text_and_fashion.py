@@ -206,6 +206,11 @@ def test_tweets_padding_at_end_and_truncation(corpus):
     positions = np.arange(12)[None, :]
     assert (split.x_train[positions >= lengths[:, None]] == 0).all()
     assert (split.x_train[positions < lengths[:, None]] >= 1).all()
+    ids = {word: index for index, word in enumerate(split.feature_names)}
+    long_rows = [r for r, i in enumerate(split.ids_train.tolist()) if len(tokenize(texts[i])) > 12]
+    row = long_rows[0]  # a truncated text keeps its FIRST 12 words
+    words = tokenize(texts[int(split.ids_train[row])])
+    assert split.x_train[row].tolist() == [ids.get(word, 1) for word in words[:12]]
 
 
 def test_tweets_split_is_deterministic(tweets):
@@ -241,8 +246,8 @@ def test_vocabulary_and_encoding_on_toy_texts():
     train = [tokenize("b a b"), tokenize("c b a")]
     vocabulary = build_vocabulary(train, vocabulary_size=4)
     assert vocabulary == ("", "[UNK]", "b", "a")  # 'c' cut: the two most frequent words
-    test = [tokenize("a zebra"), tokenize("b b b b b b")]
-    assert encode_sequences(test, vocabulary, 4).tolist() == [[3, 1, 0, 0], [2, 2, 2, 2]]
+    test = [tokenize("a zebra"), tokenize("b zebra a a a a")]
+    assert encode_sequences(test, vocabulary, 4).tolist() == [[3, 1, 0, 0], [2, 1, 3, 3]]
     assert build_vocabulary(train, vocabulary_size=100) == ("", "[UNK]", "b", "a", "c")
 
 

@@ -1,19 +1,19 @@
 """tf_dp: differentially private training for TensorFlow with Keras 3.
 
 sample (``tf_dp.sampling``) → per-example norms and clipping (``tf_dp.clipping``) →
-noise (``tf_dp.noise``) → update (``tf_dp.optimizers``) → account (``tf_dp.accounting``).
+noise (``tf_dp.noise``) → filter (``tf_dp.filters``) → update (``tf_dp.optimizers``) → account (``tf_dp.accounting``).
 """
 
-from tf_dp import accounting, clipping, noise, sampling
+from tf_dp import accounting, clipping, filters, noise, sampling
 from tf_dp.accounting import calibrate_noise_multiplier, compute_epsilon
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
 from tf_dp.models import DPModel, DPSequential, make_private
-from tf_dp.optimizers import DPAdam, DPAdamW, DPSGD
+from tf_dp.optimizers import FIBER, DiSK, DPAdam, DPAdamW, DPSGD
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DPAdam", "DPAdamW", "DPModel", "DPSGD", "DPSequential", "PrivacyBudget", "PrivacyReport",
-    "accounting", "calibrate_noise_multiplier", "clipping", "compute_epsilon", "make_private", "noise",
+    "FIBER", "DPAdam", "DPAdamW", "DPModel", "DPSGD", "DiSK", "DPSequential", "PrivacyBudget", "PrivacyReport",
+    "accounting", "calibrate_noise_multiplier", "clipping", "filters", "compute_epsilon", "make_private", "noise",
     "sampling",
 ]

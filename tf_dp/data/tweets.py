@@ -149,7 +149,7 @@ def encode_sequences(
     ids = np.full((len(token_lists), sequence_length), PAD_ID, dtype=np.int32)
     for row, tokens in enumerate(token_lists):
         kept = tokens[:sequence_length]
-        ids[row, sequence_length - len(kept) :] = [lookup.get(token, OOV_ID) for token in kept]
+        ids[row, : len(kept)] = [lookup.get(token, OOV_ID) for token in kept]
     return ids
 
 

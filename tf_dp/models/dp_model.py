@@ -87,7 +87,10 @@ class DPModelMixin:
         self._dp_loss = per_example_loss(loss)
         if jit_compile == "auto":
             jit_compile = _accelerator_present()
-        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, jit_compile=jit_compile, **kwargs)
+        # Keras applies sample weights only to `weighted_metrics`; the 0/1 padding mask of
+        # Poisson chunks is such a weight, so every metric is made a weighted one.
+        weighted = list(tf.nest.flatten(metrics or [])) + list(tf.nest.flatten(kwargs.pop("weighted_metrics", None) or []))
+        super().compile(optimizer=optimizer, loss=loss, weighted_metrics=weighted or None, jit_compile=jit_compile, **kwargs)
 
     # ------------------------------------------------------------- train step
     def train_step(self, data):
@@ -95,7 +98,8 @@ class DPModelMixin:
             raise TypeError("A DPModel trains only with a tf_dp DP optimizer; recompile with one.")
         x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
         clip = self.optimizer.clip_bound()
-        clipped_sums = self._clipped_sum_over_chunks(x, y, mask, clip)
+        points = self.optimizer.evaluation_points(self.trainable_variables)
+        clipped_sums = self._clipped_sum_over_chunks(x, y, mask, clip, points)
         self.optimizer.apply_private_gradients(
             clipped_sums, self.trainable_variables, expected_batch_size, self._regularization_gradients()
         )
@@ -116,21 +120,21 @@ class DPModelMixin:
         mask = tf.ones([1, batch], tf.float32)
         return tf.nest.map_structure(add_chunk_axis, x), tf.nest.map_structure(add_chunk_axis, y), mask, batch
 
-    def _clipped_sum_over_chunks(self, x, y, mask, clip):
+    def _clipped_sum_over_chunks(self, x, y, mask, clip, points):
         zeros = [tf.zeros_like(v) for v in self.trainable_variables]
         first = tf.nest.flatten(x)[0]
         if first.shape[0] == 1:
-            return self._clip_chunk(tf.nest.map_structure(lambda t: t[0], x), tf.nest.map_structure(lambda t: t[0], y), mask[0], clip, zeros)
+            return self._clip_chunk(tf.nest.map_structure(lambda t: t[0], x), tf.nest.map_structure(lambda t: t[0], y), mask[0], clip, points, zeros)
 
         def body(index, sums):
             take = lambda t: tf.gather(t, index)  # noqa: E731
-            return index + 1, self._clip_chunk(tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), tf.gather(mask, index), clip, sums)
+            return index + 1, self._clip_chunk(tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), tf.gather(mask, index), clip, points, sums)
 
         _, sums = tf.while_loop(lambda index, _: index < tf.shape(first)[0], body, (tf.constant(0), zeros))
         return sums
 
-    def _clip_chunk(self, x, y, mask, clip, sums):
-        result = clipped_gradient_sum(self, self._dp_loss, x, y, mask, clip, engine=self._dp["engine"])
+    def _clip_chunk(self, x, y, mask, clip, points, sums):
+        result = clipped_gradient_sum(self, self._dp_loss, x, y, mask, clip, engine=self._dp["engine"], points=points)
         real = tf.reduce_sum(mask)
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses * tf.cast(mask, result.losses.dtype)), real)
         self._loss_tracker.update_state(mean_loss + self._regularization_loss(), sample_weight=real)
@@ -219,6 +223,9 @@ class DPModelMixin:
         if sample_weight is not None or class_weight is not None:
             raise ValueError("`sample_weight`/`class_weight` are not supported by DP training in tf_dp.")
         self._open_phase("batches", 1.0, 0, 0.0)
+        if not self.built:
+            self._prebuild(x, y)
+        self._build_optimizer()
         return super().train_on_batch(x, y, return_dict=return_dict)
 
     def _require_dp_compiled(self):
@@ -255,6 +262,13 @@ class DPModelMixin:
         elements are not plain (x, y) batches."""
         sample = tf.nest.map_structure(lambda a: a[:1], (x, y))
         self._symbolic_build(data_batch=sample)
+        self._build_optimizer()
+
+    def _build_optimizer(self):
+        """Eagerly, so that optimizer state initialised from the weights (θ_{t−1} of
+        DiSK/FIBER) is created before the train step is traced."""
+        if not self.optimizer.built:
+            self.optimizer.build(self.trainable_variables)
 
     # ------------------------------------------------------------- reporting
     def get_epsilon(self, delta: Optional[float] = None, accountant: Optional[str] = None) -> float:

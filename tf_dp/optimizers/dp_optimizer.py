@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp import _checks
+from tf_dp.clipping import CURRENT_WEIGHTS
 from tf_dp.noise import add_gaussian_noise, new_seed
 
 _NOT_CALIBRATED = float("nan")
@@ -124,10 +125,19 @@ class DPOptimizer:
         denominator = tf.cast(expected_batch_size, tf.float32)
         noisy_sums = add_gaussian_noise(list(clipped_sums), stddev_on_sum, self._noise_seed.value, self.iterations)
         averaged = [g / tf.cast(denominator, g.dtype) for g in noisy_sums]
+        self._averaged_noise_stddev.assign(stddev_on_sum / denominator)
+        averaged = self.filter_gradients(averaged, trainable_variables)
         if public_gradients is not None:
             averaged = [g if p is None else g + tf.cast(p, g.dtype) for g, p in zip(averaged, public_gradients)]
-        self._averaged_noise_stddev.assign(stddev_on_sum / denominator)
         return super().apply(averaged, trainable_variables)
+
+    def evaluation_points(self, trainable_variables) -> tuple:
+        """Where the model evaluates per-example gradients this step: θ_t for DP-SGD."""
+        return CURRENT_WEIGHTS
+
+    def filter_gradients(self, averaged: list, trainable_variables: list) -> list:
+        """Post-processing of ĝ before the base update (identity; DiSK/FIBER filter here)."""
+        return averaged
 
     def noise_variance_on_average(self, dtype) -> tf.Tensor:
         """σ_w² = (σ·C/L)², the per-coordinate variance the noise adds to ĝ this step."""

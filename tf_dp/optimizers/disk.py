@@ -1,0 +1,79 @@
+"""DiSK (Zhang et al., ICLR 2025; ALGORITHMS §3): simplified Kalman filtering of ĝ.
+
+    u_i = c ∇ℓ(θ_t + γd_t; x_i) + (1 − c) ∇ℓ(θ_t; x_i),  c = (1 − κ)/(κγ)
+    ĝ_t = (Σ_i clip_C(u_i) + N(0, σ²C²I)) / L
+    g̃_t = (1 − κ) g̃_{t−1} + κ ĝ_t
+    θ_{t+1} = BaseOptimizer(θ_t, g̃_t)      base ∈ {"adamw", "adam", "sgd"}
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import keras
+
+from tf_dp import _checks
+from tf_dp.filters import ema_filter
+from tf_dp.optimizers.dp_optimizer import DPOptimizer
+from tf_dp.optimizers.dpadam import DPAdam
+from tf_dp.optimizers.dpadamw import DPAdamW
+from tf_dp.optimizers.dpsgd import DPSGD
+from tf_dp.optimizers.two_point import TwoPointObservation
+
+BASES = ("adamw", "adam", "sgd")
+
+
+class DiSK(TwoPointObservation, DPOptimizer):
+    """``DiSK(learning_rate, kappa=0.7, gamma=0.5, base="adamw", **base_and_dp_kwargs)``.
+
+    Builds the DiSK variant of the chosen base (``DiSKAdamW``, ``DiSKAdam``, ``DiSKSGD``);
+    every argument of that base DP optimizer is accepted. κ = 1 is the base optimizer.
+    """
+
+    def __new__(cls, *args, base: str = "adamw", **kwargs):
+        if cls is DiSK:
+            cls = _VARIANTS[_checks.one_of("base", base, BASES)]
+        return super().__new__(cls)
+
+    def __init__(self, learning_rate=0.001, kappa: float = 0.7, gamma: float = 0.5, base: Optional[str] = None,
+                 **kwargs):
+        kwargs.setdefault("name", type(self).__name__)
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self._init_two_point(kappa, gamma)
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self._filtered_gradients = self.add_optimizer_variables(variables, "filtered_gradient")
+
+    def filter_gradients(self, averaged, trainable_variables):
+        averaged = super().filter_gradients(averaged, trainable_variables)
+        filtered = []
+        for g, v in zip(averaged, trainable_variables):
+            state = self._filtered_gradients[self._get_variable_index(v)]
+            new = ema_filter(state.value, g, self.kappa)
+            state.assign(new)
+            filtered.append(new)
+        return filtered
+
+    def get_config(self):
+        return {**super().get_config(), **self._two_point_config(), "base": self.base}
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DiSKAdamW(DiSK, DPAdamW):
+    base = "adamw"
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DiSKAdam(DiSK, DPAdam):
+    base = "adam"
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DiSKSGD(DiSK, DPSGD):
+    base = "sgd"
+
+
+_VARIANTS = {"adamw": DiSKAdamW, "adam": DiSKAdam, "sgd": DiSKSGD}

@@ -1,0 +1,86 @@
+"""FIBER: filter-aware innovation bias-corrected AdamW (ALGORITHMS §4).
+
+Observation: DiSK's two-point u_i, privatized as ĝ_t = (Σ_i clip_C(u_i) + N(0, σ²C²I))/L;
+(κ, γ) set only the observation geometry. Denoising by the innovation filter with gain ω:
+
+    ν_t = ĝ_t − g̃_{t−1},  r_t = (1 − ω) r_{t−1} + ω ν_t,  g̃_t = g̃_{t−1} + r_t
+
+then AdamW on g̃_t with the filter-aware second moment
+
+    v̄_t = max(v̂_t − A(ω)·σ_w², variance_floor),  A(ω) = (2 − ω)/(4 − 3ω),  σ_w = σC/L
+    θ_{t+1} = θ_t − η (m̂_t / (√v̄_t + ε) + λ_wd θ_t).
+
+ω = 1 with a one-point observation (κ = 1) is DP-AdamBC; without the correction, DP-AdamW.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import keras
+import tensorflow as tf
+
+from tf_dp.filters import attenuation_factor, innovation_filter
+from tf_dp.optimizers.dpadam import DEFAULT_VARIANCE_FLOOR
+from tf_dp.optimizers.dpadamw import DPAdamW
+from tf_dp.optimizers.two_point import TwoPointObservation
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class FIBER(TwoPointObservation, DPAdamW):
+    """AdamW on the innovation-filtered privatized gradient, with the filter-attenuated
+    noise variance A(ω)σ_w² removed from the second moment. Accepts every argument of
+    ``tf_dp.DPAdamW``."""
+
+    def __init__(
+        self,
+        learning_rate=0.001,
+        kappa: float = 0.7,
+        gamma: float = 0.5,
+        omega: float = 0.5,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        variance_floor: float = DEFAULT_VARIANCE_FLOOR,
+        weight_decay: float = 0.004,
+        noise_bias_correction: bool = True,
+        l2_norm_clip: float = 1.0,
+        noise_multiplier: Optional[float] = None,
+        seed: Optional[int] = None,
+        name: str = "FIBER",
+        **kwargs,
+    ):
+        super().__init__(
+            learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
+            variance_floor=variance_floor, weight_decay=weight_decay, noise_bias_correction=noise_bias_correction,
+            l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier, seed=seed, name=name, **kwargs,
+        )
+        self._init_two_point(kappa, gamma)
+        self.attenuation = attenuation_factor(omega)
+        self.omega = float(omega)
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self._filtered_gradients = self.add_optimizer_variables(variables, "filtered_gradient")
+        self._residuals = self.add_optimizer_variables(variables, "smoothed_residual")
+
+    def filter_gradients(self, averaged, trainable_variables):
+        averaged = super().filter_gradients(averaged, trainable_variables)
+        filtered = []
+        for g, v in zip(averaged, trainable_variables):
+            index = self._get_variable_index(v)
+            state, residual = self._filtered_gradients[index], self._residuals[index]
+            new_state, new_residual = innovation_filter(state.value, residual.value, g, self.omega)
+            state.assign(new_state)
+            residual.assign(new_residual)
+            filtered.append(new_state)
+        return filtered
+
+    def noise_variance_on_average(self, dtype) -> tf.Tensor:
+        """A(ω)·σ_w²: the noise variance left in the filtered gradient g̃."""
+        return tf.cast(self.attenuation, dtype) * super().noise_variance_on_average(dtype)
+
+    def get_config(self):
+        return {**super().get_config(), **self._two_point_config(), "omega": self.omega}
