@@ -4,7 +4,7 @@ sample (``tf_dp.sampling``) → per-example norms and clipping (``tf_dp.clipping
 noise (``tf_dp.noise``) → filter (``tf_dp.filters``) → update (``tf_dp.optimizers``) → account (``tf_dp.accounting``).
 """
 
-from tf_dp import accounting, clipping, filters, noise, sampling
+from tf_dp import accounting, clipping, filters, noise, raco, sampling
 from tf_dp.accounting import calibrate_noise_multiplier, compute_epsilon
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
 from tf_dp.models import DPModel, DPSequential, make_private
@@ -14,6 +14,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FIBER", "DPAdam", "DPAdamW", "DPModel", "DPSGD", "DiSK", "DPSequential", "PrivacyBudget", "PrivacyReport",
-    "accounting", "calibrate_noise_multiplier", "clipping", "filters", "compute_epsilon", "make_private", "noise",
+    "accounting", "calibrate_noise_multiplier", "clipping", "filters", "raco", "compute_epsilon", "make_private", "noise",
     "sampling",
 ]

@@ -23,7 +23,8 @@ from tf_dp.accounting.accountant import epsilon_of_event
 SCHEMES = {1: "poisson", 2: "batches"}
 _CODES = {name: code for code, name in SCHEMES.items()}
 MAX_PHASES = 64
-_COLUMNS = 6  # scheme, sampling_rate, noise_multiplier, num_examples, expected_batch_size, first_step
+# scheme, sampling_rate, noise_multiplier, num_examples, expected_batch_size, first_step, histogram_noise
+_COLUMNS = 7
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,12 @@ class Phase:
     num_examples: int
     expected_batch_size: float
     steps: int
+    histogram_noise: float = 0.0  # RaCO-DP's Laplace scale 1/b on the same batch (0: none)
 
     def event(self) -> dp_event.DpEvent:
+        if self.histogram_noise:
+            raise ValueError("A RaCO-DP phase (Gaussian + Laplace on one batch) has no dp_accounting event; "
+                             "use PrivacyLedger.epsilon, which accounts it jointly.")
         if self.steps == 0:
             return dp_event.NoOpDpEvent()
         if self.noise_multiplier == 0:
@@ -76,17 +81,20 @@ class PrivacyLedger(tf.Module):
         rows, total = self._rows(), int(self.steps.numpy())
         ends = list(rows[1:, 5].astype(np.int64)) + [total]
         return [
-            Phase(SCHEMES[int(r[0])], float(r[1]), float(r[2]), int(r[3]), float(r[4]), int(end - r[5]))
+            Phase(SCHEMES[int(r[0])], float(r[1]), float(r[2]), int(r[3]), float(r[4]), int(end - r[5]), float(r[6]))
             for r, end in zip(rows, ends)
         ]
 
     def open_phase(self, scheme: str, sampling_rate: float, noise_multiplier: float, num_examples: int,
-                   expected_batch_size: float) -> None:
+                   expected_batch_size: float, histogram_noise: float = 0.0) -> None:
         """Starts a phase at the current step unless the current phase has the same settings."""
+        if histogram_noise and scheme != "poisson":
+            raise ValueError("RaCO-DP's joint accounting needs Poisson sampling (pass arrays to fit).")
         row = np.array([_CODES[scheme], sampling_rate, noise_multiplier, num_examples, expected_batch_size,
-                        int(self.steps.numpy())], dtype=np.float64)
+                        int(self.steps.numpy()), histogram_noise], dtype=np.float64)
         rows = self._rows()
-        if len(rows) and np.array_equal(rows[-1, :5], row[:5]):
+        settings = [0, 1, 2, 3, 4, 6]
+        if len(rows) and np.array_equal(rows[-1, settings], row[settings]):
             return
         if len(rows) and rows[-1, 5] == row[5]:  # the current phase took no step: replace it
             index = len(rows) - 1
@@ -114,4 +122,9 @@ class PrivacyLedger(tf.Module):
         """ε at δ of every step taken so far (0 before the first step)."""
         if int(self.steps.numpy()) == 0:
             return 0.0
+        phases = self.phases()
+        if any(p.histogram_noise for p in phases):
+            from tf_dp.raco.accounting import epsilon_of_phases  # RaCO-DP's joint accounting
+
+            return epsilon_of_phases(phases, delta, accountant)
         return epsilon_of_event(self.event(), delta, accountant)

@@ -12,6 +12,10 @@ from tf_dp.sampling import PoissonSampler
 POISSON_KEYS = ("x", "y", "mask", "expected_batch_size")
 
 
+def is_poisson_batch(data) -> bool:
+    return isinstance(data, dict) and set(POISSON_KEYS) <= set(data)
+
+
 def num_rows(x) -> int:
     return int(np.shape(tf.nest.flatten(x)[0])[0])
 
@@ -62,8 +66,10 @@ def is_batched_dataset(dataset: tf.data.Dataset, model) -> bool:
 
 
 def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_size: Optional[int],
-                    seed: Optional[int]) -> tf.data.Dataset:
-    """Endless dataset of Poisson batches {x, y, mask: [chunks, P, ...], expected_batch_size: L}."""
+                    seed: Optional[int], extras: Optional[dict] = None) -> tf.data.Dataset:
+    """Endless dataset of Poisson batches {x, y, mask: [chunks, P, ...], expected_batch_size: L}
+    plus any per-example ``extras`` arrays (e.g. RaCO-DP's group ids), gathered alike."""
+    extras = dict(extras or {})
     sampler = PoissonSampler(num_examples, batch_size, physical_batch_size, seed)
     physical = sampler.physical_batch_size
     expected = np.float32(batch_size)
@@ -74,6 +80,7 @@ def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_siz
     signature = {
         "x": tf.nest.map_structure(spec, x), "y": spec(y),
         "mask": tf.TensorSpec([None, physical], tf.float32), "expected_batch_size": tf.TensorSpec([], tf.float32),
+        **{name: spec(array) for name, array in extras.items()},
     }
 
     def batches():
@@ -81,6 +88,7 @@ def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_siz
             yield {
                 "x": tf.nest.map_structure(lambda a: a[indices], x), "y": y[indices],
                 "mask": mask, "expected_batch_size": expected,
+                **{name: array[indices] for name, array in extras.items()},
             }
 
     return tf.data.Dataset.from_generator(batches, output_signature=signature).prefetch(2)

@@ -22,7 +22,7 @@ from tf_dp import _checks
 from tf_dp.accounting import ACCOUNTANTS, PrivacyLedger, calibrate_noise_multiplier
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
 from tf_dp.clipping import ENGINES, clipped_gradient_sum
-from tf_dp.models.data import POISSON_KEYS, as_arrays, is_batched_dataset, num_rows, poisson_dataset
+from tf_dp.models.data import as_arrays, is_batched_dataset, is_poisson_batch, num_rows, poisson_dataset
 from tf_dp.models.losses import per_example_loss
 from tf_dp.models.validation import check_model
 from tf_dp.optimizers import DPOptimizer
@@ -97,6 +97,9 @@ class DPModelMixin:
         if not isinstance(self.optimizer, DPOptimizer):
             raise TypeError("A DPModel trains only with a tf_dp DP optimizer; recompile with one.")
         x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
+        return self._dp_step(x, y, mask, expected_batch_size)
+
+    def _dp_step(self, x, y, mask, expected_batch_size):
         clip = self.optimizer.clip_bound()
         points = self.optimizer.evaluation_points(self.trainable_variables)
         clipped_sums = self._clipped_sum_over_chunks(x, y, mask, clip, points)
@@ -108,7 +111,7 @@ class DPModelMixin:
 
     def _unpack_dp_batch(self, data):
         """(x, y, mask, L) with x, y, mask shaped [chunks, P, ...]."""
-        if isinstance(data, dict) and set(data) == set(POISSON_KEYS):
+        if is_poisson_batch(data):
             return data["x"], data["y"], data["mask"], data["expected_batch_size"]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
@@ -134,12 +137,21 @@ class DPModelMixin:
         return sums
 
     def _clip_chunk(self, x, y, mask, clip, points, sums):
-        result = clipped_gradient_sum(self, self._dp_loss, x, y, mask, clip, engine=self._dp["engine"], points=points)
+        result = clipped_gradient_sum(self, self._chunk_loss(), x, y, mask, clip, engine=self._dp["engine"],
+                                      points=points)
         real = tf.reduce_sum(mask)
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses * tf.cast(mask, result.losses.dtype)), real)
         self._loss_tracker.update_state(mean_loss + self._regularization_loss(), sample_weight=real)
-        self.compute_metrics(x, y, result.y_pred, sample_weight=mask)
+        self.compute_metrics(x, self._targets(y), result.y_pred, sample_weight=mask)
         return [s + c for s, c in zip(sums, result.clipped_sums)]
+
+    def _chunk_loss(self):
+        """The per-example loss whose gradients are clipped (subclasses add terms)."""
+        return self._dp_loss
+
+    def _targets(self, y):
+        """The labels inside ``y`` (subclasses may pack more per-example columns into it)."""
+        return y
 
     def _regularization_loss(self):
         terms = [v.regularizer(v) for v in self.trainable_variables if getattr(v, "regularizer", None)]
@@ -195,7 +207,8 @@ class DPModelMixin:
         steps = steps_per_epoch or math.ceil(num_examples / batch_size)
         callbacks += self._privacy_callbacks(num_examples, batch_size, steps * (epochs - initial_epoch))
         self._open_phase("poisson", batch_size / num_examples, num_examples, batch_size)
-        dataset = poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, sampling_seed)
+        dataset = poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, sampling_seed,
+                                  extras=self._per_example_extras(num_examples))
         self._prebuild(x, y)
         return super().fit(
             dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
@@ -228,6 +241,10 @@ class DPModelMixin:
         self._build_optimizer()
         return super().train_on_batch(x, y, return_dict=return_dict)
 
+    def _per_example_extras(self, num_examples: int) -> dict:
+        """Per-example arrays the Poisson stream carries besides x and y (none for DP-SGD)."""
+        return {}
+
     def _require_dp_compiled(self):
         if not isinstance(getattr(self, "optimizer", None), DPOptimizer) or self._dp_loss is None:
             raise RuntimeError(f"Compile the {type(self).__name__} with a tf_dp optimizer and a loss before training.")
@@ -239,7 +256,12 @@ class DPModelMixin:
                 "The optimizer's `noise_multiplier` is None: set it, or pass `target_epsilon` to compile() "
                 "so that fit() calibrates it."
             )
-        self.privacy_ledger.open_phase(scheme, sampling_rate, sigma, num_examples, expected_batch_size)
+        self.privacy_ledger.open_phase(scheme, sampling_rate, sigma, num_examples, expected_batch_size,
+                                       self._histogram_noise())
+
+    def _histogram_noise(self) -> float:
+        """Laplace scale of a histogram released from the same batch (RaCO-DP); 0: none."""
+        return 0.0
 
     def _privacy_callbacks(self, num_examples, batch_size, planned_steps):
         target = self._dp["target_epsilon"]
@@ -324,8 +346,8 @@ class DPModel(DPModelMixin, keras.Model):
     subclassed (override ``call``), like ``keras.Model``."""
 
     def __new__(cls, *args, **kwargs):
-        if cls is DPModel and functional_init_arguments(args, kwargs):
-            return keras.Model.__new__(DPFunctional)
+        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+            return keras.Model.__new__(functional_variant(cls))
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, **kwargs):
@@ -333,10 +355,22 @@ class DPModel(DPModelMixin, keras.Model):
         self._init_privacy()
 
 
-@keras.saving.register_keras_serializable(package="tf_dp")
-class DPFunctional(DPModel, Functional):
-    """What ``DPModel(inputs, outputs)`` builds (kept apart so that the DPModel class itself
-    is never rewritten into a Functional by Keras)."""
+_FUNCTIONAL_VARIANTS: dict = {}
+
+
+def functional_variant(cls: type, name: Optional[str] = None) -> type:
+    """The class ``cls(inputs, outputs)`` instantiates: ``cls`` + Keras' Functional.
+
+    Keras would otherwise rewrite ``cls.__bases__`` in place to inject Functional, which
+    would turn every later subclassed use of the same class into a Functional model."""
+    if cls not in _FUNCTIONAL_VARIANTS:
+        variant = type(name or f"{cls.__name__}Functional", (cls, Functional), {"__module__": cls.__module__,
+                       "__doc__": f"What ``{cls.__name__}(inputs, outputs)`` builds."})
+        _FUNCTIONAL_VARIANTS[cls] = keras.saving.register_keras_serializable(package="tf_dp")(variant)
+    return _FUNCTIONAL_VARIANTS[cls]
+
+
+DPFunctional = functional_variant(DPModel, "DPFunctional")
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")

@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_pmf
+from dp_accounting.pld import privacy_loss_distribution
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import special, stats
@@ -457,3 +458,42 @@ def calibrate_noise_multiplier(
             "steps, or raise target_epsilon."
         )
     return _smallest_sigma_within(epsilon, target_epsilon)
+
+
+def epsilon_of_phases(phases, delta: float, accountant: str = "pld") -> float:
+    """ε of a privacy ledger mixing RaCO-DP phases (Gaussian + Laplace on one Poisson batch)
+    with plain DP-SGD phases, composed exactly: PLDs multiply out, RDP curves add up."""
+    delta = _checks.delta(delta)
+    _checks.one_of("accountant", accountant, ACCOUNTANTS)
+    phases = [p for p in phases if p.steps > 0]
+    if any(p.noise_multiplier == 0 for p in phases):
+        return math.inf
+    if accountant == "rdp":
+        total = sum(p.steps * _phase_rdp(p) for p in phases)
+        epsilon, _ = rdp_privacy_accountant.compute_epsilon(INTEGER_RDP_ORDERS, total, delta)
+        return float(epsilon)
+    composed = None
+    for phase in phases:
+        pld = _phase_pld(phase).self_compose(phase.steps)
+        composed = pld if composed is None else composed.compose(pld)
+    return float(composed.get_epsilon_for_delta(delta))
+
+
+def _phase_rate(phase) -> float:
+    return phase.sampling_rate if phase.scheme == "poisson" else 1.0
+
+
+def _phase_pld(phase) -> PrivacyLossDistribution:
+    if phase.histogram_noise:
+        return joint_step_pld(phase.sampling_rate, phase.noise_multiplier, phase.histogram_noise)
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        phase.noise_multiplier, sampling_prob=_phase_rate(phase), value_discretization_interval=PLD_DISCRETIZATION)
+
+
+def _phase_rdp(phase) -> np.ndarray:
+    if phase.histogram_noise:
+        return _joint_step_rdp(phase.sampling_rate, phase.noise_multiplier, phase.histogram_noise)
+    return np.array([
+        rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(_phase_rate(phase), phase.noise_multiplier, order)
+        for order in INTEGER_RDP_ORDERS
+    ])

@@ -1,0 +1,188 @@
+"""RaCO-DP: private rate-constrained training by a primal-dual train step (ALGORITHMS §5).
+
+Each step, on one Poisson batch:
+  1. Ĥ = H + Laplace(1/b): the histogram of tempered softmax outputs per (partition, class);
+  2. Γ_j(Ĥ) and W[q, k] = Σ_j λ_j ∂Γ_j/∂p_k, read off Ĥ only (post-processing);
+  3. each example's Lagrangian term ℓ_i + L · W[q_i]·p̃(x_i) (W constant) is clipped and
+     noised exactly as DP-SGD: ĝ = (Σ_i clip_C(∇term_i) + N(0, σ²C²I)) / L;
+  4. λ_j ← max(0, λ_j + η_λ (Γ_j(Ĥ) − γ_j))  (projected dual ascent, free).
+The Gaussian and the Laplace read the same batch: one subsampled mechanism, accounted
+jointly (tf_dp.raco.accounting).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_dp import _checks
+from tf_dp.models.dp_model import DPModel, functional_variant
+from tf_dp.raco.constraints import Constraint, ConstraintSet
+from tf_dp.raco.histogram import NoisyHistogram, tempered
+
+_STORE_KEY = "raco_multipliers"
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class RateConstrainedModel(DPModel):
+    """A DPModel trained under rate constraints (fairness and others) with RaCO-DP.
+
+    ``compile(optimizer, loss, metrics, constraints=[...], num_groups=Z, histogram_noise=1/b,
+    dual_learning_rate=η_λ, histogram_temperature=T, ...)`` and
+    ``fit(x, y, groups=z, batch_size=L, ...)``. The model must output probabilities
+    (softmax). λ are saved with the model and logged each epoch.
+    """
+
+    def compile(self, optimizer=None, loss=None, metrics=None, *, constraints: Sequence[Constraint] = (),
+                num_groups: int = 2, histogram_noise: float = 2.0, dual_learning_rate: float = 0.1,
+                histogram_temperature: float = 1.0, target_epsilon: Optional[float] = None, **kwargs):
+        if target_epsilon is not None:
+            raise ValueError(
+                "`target_epsilon` calibration of RateConstrainedModel is not built in: choose σ or the number of "
+                "steps with tf_dp.raco.calibrate_noise_multiplier / calibrate_steps, and stop with "
+                "tf_dp.PrivacyBudget(ε), which accounts the histogram jointly."
+            )
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        num_classes = int(self.outputs[0].shape[-1]) if getattr(self, "outputs", None) else None
+        if not num_classes or num_classes < 2:
+            raise ValueError("RaCO-DP needs a model with a K ≥ 2 class softmax output (a Dense(K, 'softmax') last layer).")
+        self.constraint_set = ConstraintSet(constraints, num_groups, num_classes)
+        self.histogram = NoisyHistogram(self.constraint_set.partitioning.size, histogram_noise, histogram_temperature)
+        self.dual_learning_rate = _checks.positive("dual_learning_rate", dual_learning_rate)
+        self._raco_settings = {
+            "constraints": list(constraints), "num_groups": num_groups, "histogram_noise": histogram_noise,
+            "dual_learning_rate": dual_learning_rate, "histogram_temperature": histogram_temperature,
+        }
+        count = len(self.constraint_set)
+        if getattr(self, "multipliers", None) is None or self.multipliers.shape[0] != count:
+            self.multipliers = tf.Variable(tf.zeros([count]), trainable=False, name="lagrange_multipliers")
+            self.constraint_values = tf.Variable(tf.zeros([count]), trainable=False, name="constraint_values")
+
+    # ------------------------------------------------------------------ data
+    def fit(self, x=None, y=None, groups=None, **kwargs):
+        """Like DPModel.fit, plus ``groups``: each training example's sensitive-group id."""
+        self._require_raco_compiled()
+        if kwargs.get("validation_split"):
+            raise ValueError("Pass `validation_data` instead of `validation_split` to RateConstrainedModel.fit.")
+        self._fit_groups = self._checked_groups(groups, y)
+        try:
+            return super().fit(x, y, **kwargs)
+        finally:
+            self._fit_groups = None
+
+    def train_on_batch(self, *args, **kwargs):
+        raise ValueError("RateConstrainedModel trains with fit(x, y, groups=..., batch_size=...) (Poisson batches).")
+
+    def _checked_groups(self, groups, y) -> np.ndarray:
+        if groups is None:
+            raise ValueError("`groups` (one sensitive-group id per training example) is required.")
+        groups = np.asarray(groups)
+        if groups.ndim != 1 or not np.issubdtype(groups.dtype, np.integer):
+            raise TypeError("`groups` must be a 1-D array of integer group ids.")
+        if y is not None and len(groups) != len(y):
+            raise ValueError(f"`groups` has {len(groups)} rows but `y` has {len(y)}.")
+        count = self.constraint_set.num_groups
+        if groups.min() < 0 or groups.max() >= count:
+            raise ValueError(f"`groups` ids must lie in [0, num_groups={count}), got [{groups.min()}, {groups.max()}].")
+        missing = sorted(set(range(count)) - set(np.unique(groups).tolist()))
+        if missing:
+            raise ValueError(f"Groups {missing} are absent from the training data; every constrained group needs "
+                             "members (set num_groups to the number of groups present).")
+        return groups.astype(np.int32)
+
+    def _per_example_extras(self, num_examples):
+        return {"groups": self._fit_groups}
+
+    def _histogram_noise(self) -> float:
+        return float(self.histogram.noise_scale)
+
+    def _require_raco_compiled(self):
+        if getattr(self, "constraint_set", None) is None:
+            raise RuntimeError("Compile the RateConstrainedModel with `constraints=[...]` before fit.")
+
+    # ------------------------------------------------------------- the step
+    def train_step(self, data):
+        x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
+        partitions = self.constraint_set.partitioning.ids(data["groups"], y)
+        noisy = self.histogram.add_noise(self._batch_histogram(x, partitions, mask),
+                                         self.optimizer._noise_seed.value, self.optimizer.iterations)
+        values = self.constraint_set.values(noisy)
+        self._lagrangian = (self.constraint_set.coefficients(noisy, self.multipliers), expected_batch_size)
+        packed = tf.stack([tf.cast(y, tf.int32), partitions], axis=-1)
+        logs = self._dp_step(x, packed, mask, expected_batch_size)
+        self.multipliers.assign(tf.maximum(0.0, self.multipliers + self.dual_learning_rate * (values - self.constraint_set.bounds)))
+        self.constraint_values.assign(values)
+        return logs
+
+    def _batch_histogram(self, x, partitions, mask):
+        """H over all chunks of the Poisson batch, at the current weights."""
+        flat = lambda t: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], axis=0))  # noqa: E731
+        probabilities = self(tf.nest.map_structure(flat, x), training=True)
+        return self.histogram.counts(tf.stop_gradient(probabilities), flat(partitions), flat(mask))
+
+    def _chunk_loss(self):
+        coefficients, expected_batch_size = self._lagrangian
+        base_loss, temperature = self._dp_loss, self.histogram.temperature
+
+        def lagrangian_terms(packed, probabilities):
+            labels, partitions = packed[..., 0], packed[..., 1]
+            weights = tf.gather(tf.stop_gradient(coefficients), partitions)
+            penalty = tf.reduce_sum(weights * tempered(probabilities, temperature), axis=-1)
+            return base_loss(labels, probabilities) + tf.cast(expected_batch_size, penalty.dtype) * penalty
+
+        return lagrangian_terms
+
+    def _targets(self, packed):
+        return packed[..., 0]
+
+    def _privacy_callbacks(self, num_examples, batch_size, planned_steps):
+        return super()._privacy_callbacks(num_examples, batch_size, planned_steps) + [MultiplierReport()]
+
+    # -------------------------------------------------- saving the multipliers
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        if getattr(self, "multipliers", None) is not None:
+            store[_STORE_KEY] = self.multipliers.numpy()
+
+    def load_own_variables(self, store):
+        keys = set(store.keys())
+        if _STORE_KEY in keys:
+            self._pending_multipliers = np.asarray(store[_STORE_KEY])
+            if getattr(self, "multipliers", None) is not None:
+                self.multipliers.assign(self._pending_multipliers)
+        super().load_own_variables({k: store[k] for k in keys - {_STORE_KEY}})
+
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        if config and getattr(self, "_raco_settings", None):
+            settings = dict(self._raco_settings)
+            settings["constraints"] = [keras.saving.serialize_keras_object(c) for c in settings["constraints"]]
+            config["raco"] = settings
+        return config
+
+    def compile_from_config(self, config):
+        config = dict(config)
+        raco = dict(config.pop("raco", {}))
+        if raco:
+            raco["constraints"] = [keras.saving.deserialize_keras_object(c) for c in raco["constraints"]]
+        privacy = config.pop("privacy", {})
+        self.compile(**keras.saving.deserialize_keras_object(config), **privacy, **raco)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+
+RateConstrainedFunctional = functional_variant(RateConstrainedModel, "RateConstrainedFunctional")
+
+
+class MultiplierReport(keras.callbacks.Callback):
+    """Logs λ_j (``lambda_j``) and the largest constraint slack Γ_j − γ_j each epoch."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        for index, value in enumerate(self.model.multipliers.numpy()):
+            logs[f"lambda_{index}"] = float(value)
+        logs["max_violation"] = float(np.max(self.model.constraint_values.numpy() - self.model.constraint_set.bounds))
