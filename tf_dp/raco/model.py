@@ -38,7 +38,10 @@ class RateConstrainedModel(DPModel):
 
     def compile(self, optimizer=None, loss=None, metrics=None, *, constraints: Sequence[Constraint] = (),
                 num_groups: int = 2, histogram_noise: float = 2.0, dual_learning_rate: float = 0.1,
-                histogram_temperature: float = 1.0, target_epsilon: Optional[float] = None, **kwargs):
+                histogram_temperature: float = 1.0, initial_multipliers: Optional[float] = None,
+                target_epsilon: Optional[float] = None, **kwargs):
+        """``dual_learning_rate=0`` with ``initial_multipliers=λ`` is the fixed-penalty
+        baseline (a constant-λ fairness regulariser)."""
         if target_epsilon is not None:
             raise ValueError(
                 "`target_epsilon` calibration of RateConstrainedModel is not built in: choose σ or the number of "
@@ -51,15 +54,18 @@ class RateConstrainedModel(DPModel):
             raise ValueError("RaCO-DP needs a model with a K ≥ 2 class softmax output (a Dense(K, 'softmax') last layer).")
         self.constraint_set = ConstraintSet(constraints, num_groups, num_classes)
         self.histogram = NoisyHistogram(self.constraint_set.partitioning.size, histogram_noise, histogram_temperature)
-        self.dual_learning_rate = _checks.positive("dual_learning_rate", dual_learning_rate)
+        self.dual_learning_rate = _checks.non_negative("dual_learning_rate", dual_learning_rate)
         self._raco_settings = {
             "constraints": list(constraints), "num_groups": num_groups, "histogram_noise": histogram_noise,
             "dual_learning_rate": dual_learning_rate, "histogram_temperature": histogram_temperature,
+            "initial_multipliers": initial_multipliers,
         }
         count = len(self.constraint_set)
         if getattr(self, "multipliers", None) is None or self.multipliers.shape[0] != count:
             self.multipliers = tf.Variable(tf.zeros([count]), trainable=False, name="lagrange_multipliers")
             self.constraint_values = tf.Variable(tf.zeros([count]), trainable=False, name="constraint_values")
+        if initial_multipliers is not None:
+            self.multipliers.assign(tf.fill([count], _checks.non_negative("initial_multipliers", initial_multipliers)))
 
     # ------------------------------------------------------------------ data
     def fit(self, x=None, y=None, groups=None, **kwargs):
