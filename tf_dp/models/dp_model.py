@@ -8,7 +8,10 @@ L and updates; the ledger counts the step.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
 import warnings
 from typing import Optional
 
@@ -28,6 +31,13 @@ from tf_dp.models.validation import check_model
 from tf_dp.optimizers import DPOptimizer
 
 DEFAULT_DELTA = 1e-5
+PRIVACY_FILE = "privacy.json"
+
+
+def _version() -> str:
+    from tf_dp import __version__
+
+    return __version__
 
 
 def _accelerator_present() -> bool:
@@ -205,7 +215,8 @@ class DPModelMixin:
             raise ValueError("`batch_size` (the expected Poisson batch size L) is required for DP fit.")
         batch_size = _checks.batch_size_for(num_examples, batch_size)
         steps = steps_per_epoch or math.ceil(num_examples / batch_size)
-        callbacks += self._privacy_callbacks(num_examples, batch_size, steps * (epochs - initial_epoch))
+        # Privacy callbacks go first so that user callbacks (TensorBoard, CSVLogger) see ε in the logs.
+        callbacks = self._privacy_callbacks(num_examples, batch_size, steps * (epochs - initial_epoch)) + callbacks
         self._open_phase("poisson", batch_size / num_examples, num_examples, batch_size)
         dataset = poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, sampling_seed,
                                   extras=self._per_example_extras(num_examples))
@@ -224,7 +235,7 @@ class DPModelMixin:
         )
         if self._dp["target_epsilon"] is not None:
             raise ValueError("`target_epsilon` calibration needs Poisson sampling: pass arrays or an unbatched dataset.")
-        callbacks += [PrivacyReport()]
+        callbacks = [PrivacyReport()] + callbacks
         self._open_phase("batches", 1.0, 0, 0.0)
         return super().fit(dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
                            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, **kwargs)
@@ -301,6 +312,25 @@ class DPModelMixin:
     @property
     def privacy_settings(self) -> dict:
         return dict(self._dp)
+
+    def privacy_report(self, delta: Optional[float] = None) -> dict:
+        """The privacy ledger as a JSON-ready dict (what ``tf-dp report`` prints)."""
+        delta = self._dp["delta"] if delta is None else _checks.delta(delta)
+        phases = self.privacy_ledger.phases()
+        return {
+            "epsilon": self.get_epsilon(delta), "delta": delta, "accountant": self._dp["accountant"],
+            "steps": int(self.privacy_ledger.steps.numpy()),
+            "phases": [dataclasses.asdict(p) for p in phases],
+            "adjacency": "add/remove one example",
+            "tf_dp_version": _version(),
+        }
+
+    def export(self, filepath, format="tf_saved_model", verbose=None, **kwargs):
+        """Keras ``export`` (a SavedModel whose serving graph is the model's inference call:
+        no clipping, noise, histogram or optimizer), plus ``privacy.json`` with the ledger."""
+        super().export(filepath, format=format, verbose=verbose, **kwargs)
+        with open(os.path.join(filepath, PRIVACY_FILE), "w") as f:
+            json.dump(self.privacy_report(), f, indent=2)
 
     # ------------------------------------ compile settings and ledger in .keras files
     def get_compile_config(self):
