@@ -86,8 +86,10 @@ flags.DEFINE_float("dual_budget", 40.0, "η_λ = min(max_dual_learning_rate, dua
 flags.DEFINE_float("max_dual_learning_rate", 5.0, "Largest η_λ (the value of examples/raco_adult.py).")
 flags.DEFINE_float("temperature", 1.0, "Softmax temperature of the histogram.")
 flags.DEFINE_list("timing_models", ["logistic", "mlp"], "Models whose RaCO-DP / DP-SGD step time is measured (Adult).")
-flags.DEFINE_integer("timing_rounds", 7, "Alternating timing rounds.")
-flags.DEFINE_integer("timing_steps", 20, "Steps per timing.")
+flags.DEFINE_list("timing_modes", ["graph", "xla"], "graph: train_step as a tf.function (Keras' CPU default); "
+                  "xla: the same with jit_compile=True.")
+flags.DEFINE_integer("timing_rounds", 9, "Alternating timing rounds.")
+flags.DEFINE_integer("timing_steps", 30, "Steps per timing.")
 flags.DEFINE_integer("threads", 1, "TensorFlow intra/inter-op threads (the target machine gives one core).")
 flags.DEFINE_string("output_dir", "benchmarks/results/raco", "Where JSON, Markdown and PNGs go.")
 
@@ -180,7 +182,7 @@ def train_one(data, model_kind: str, plan: dict, method: str, value: float, seed
         model.constraint_set = FixedHingePenalty(model.constraint_set, value)
     history = model.fit(data.x_train, data.y_train, groups=data.sensitive_train, batch_size=plan["batch_size"],
                         epochs=1, steps_per_epoch=plan["steps"], sampling_seed=seed, verbose=0)
-    predicted = model.predict(data.x_test, batch_size=8192, verbose=0).argmax(axis=1)
+    predicted = np.asarray(model(data.x_test, training=False)).argmax(axis=1)  # eager: no predict() retracing
     groups = data.sensitive_test
     epsilon = history.history.get("epsilon", [model.get_epsilon()])[-1]  # PrivacyReport: model.get_epsilon()
     return {
@@ -202,9 +204,14 @@ def mean_std(values) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------------- step time
-def measure_step_time(data, model_kind: str, batch_size: int) -> dict:
-    """ms/step of RaCO-DP (γ = 0.1) vs plain tf_dp.DPModel: same architecture, σ, C, and the
-    same pre-sampled Poisson batches; each round times both, in alternating order."""
+def measure_step_time(data, model_kind: str, batch_size: int, mode: str) -> dict:
+    """ms/step of RaCO-DP (γ = 0.1) vs plain tf_dp.DPModel: same architecture, σ, C, batch.
+
+    mode "graph": each model's ``train_step`` as a tf.function (Keras' default on CPU) on the
+    SAME pre-sampled Poisson batches (the Python Poisson sampler is excluded); "xla": the same
+    with ``jit_compile=True``. Each round times both models, in alternating order; reported:
+    medians, and the median of the per-round ratios.
+    """
     n = len(data.y_train)
     models = {}
     for name, cls in (("dpsgd", tf_dp.DPModel), ("raco", raco.RateConstrainedModel)):
@@ -214,36 +221,37 @@ def measure_step_time(data, model_kind: str, batch_size: int) -> dict:
             "constraints": [raco.DemographicParity(0.1)], "num_groups": 2, "histogram_noise": FLAGS.histogram_noise,
             "dual_learning_rate": 1.0}
         model.compile(optimizer=optimizer(FLAGS.learning_rate, FLAGS.noise_multiplier, 0),
-                      loss="sparse_categorical_crossentropy", delta=FLAGS.delta, accountant="pld", **extra)
-        groups = {} if name == "dpsgd" else {"groups": data.sensitive_train}
+                      loss="sparse_categorical_crossentropy", delta=FLAGS.delta, accountant="pld",
+                      jit_compile=mode == "xla", **extra)
+        groups = {"groups": data.sensitive_train} if name == "raco" else {}
         model.fit(data.x_train, data.y_train, batch_size=batch_size, epochs=1, steps_per_epoch=1, verbose=0,
                   sampling_seed=0, **groups)  # builds model and optimizer
-        models[name] = (model, tf.function(model.train_step))
-    total = FLAGS.timing_steps * FLAGS.timing_rounds + 1
+        models[name] = (model, tf.function(model.train_step, jit_compile=mode == "xla"))
+    steps = FLAGS.timing_steps
     stream = poisson_dataset(data.x_train, data.y_train, n, batch_size, None, 1,
                              extras={"groups": data.sensitive_train.astype(np.int32)})
-    batches = list(stream.take(total))
-    for model, step in models.values():  # trace outside the timings
+    batches = list(stream.take(steps * FLAGS.timing_rounds + 1))
+    for _, step in models.values():  # trace (and XLA-compile) outside the timings
         step(batches[0])
 
-    def ms_per_step(name, offset):
+    def ms_per_step(name, round_index):
         model, step = models[name]
+        offset = 1 + round_index * steps
         start = time.perf_counter()
-        for batch in batches[offset:offset + FLAGS.timing_steps]:
+        for batch in batches[offset:offset + steps]:
             step(batch)
         model.optimizer.iterations.numpy()  # wait for the last step
-        return (time.perf_counter() - start) / FLAGS.timing_steps * 1000
+        return (time.perf_counter() - start) / steps * 1000
 
     times = {"dpsgd": [], "raco": []}
     for round_index in range(FLAGS.timing_rounds):
-        offset = 1 + round_index * FLAGS.timing_steps
-        order = ("dpsgd", "raco") if round_index % 2 == 0 else ("raco", "dpsgd")
-        for name in order:
-            times[name].append(ms_per_step(name, offset))
+        for name in (("dpsgd", "raco") if round_index % 2 == 0 else ("raco", "dpsgd")):
+            times[name].append(ms_per_step(name, round_index))
     ratios = [r / d for r, d in zip(times["raco"], times["dpsgd"])]
-    return {"dataset": "adult", "model": model_kind, "batch_size": batch_size,
+    return {"dataset": "adult", "model": model_kind, "mode": mode, "batch_size": batch_size,
             "dpsgd_ms": statistics.median(times["dpsgd"]), "raco_ms": statistics.median(times["raco"]),
-            "ratio": statistics.median(ratios), "ratios": ratios}
+            "ratio": statistics.median(ratios), "ratios": ratios, "dpsgd_times": times["dpsgd"],
+            "raco_times": times["raco"]}
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -286,9 +294,10 @@ def results_table(summary: list[dict], epsilon_keys: list[str]) -> list[str]:
 
 
 def timing_table(timings: list[dict]) -> list[str]:
-    lines = ["| model (Adult) | L | DP-SGD ms/step | RaCO-DP ms/step | RaCO-DP / DP-SGD |", "|---|---|---|---|---|"]
+    lines = ["| model (Adult) | timing | L | DP-SGD ms/step | RaCO-DP ms/step | RaCO-DP / DP-SGD (median of rounds) |",
+             "|---|---|---|---|---|---|"]
     for t in timings:
-        lines.append(f"| {t['model']} | {t['batch_size']} | {t['dpsgd_ms']:.1f} | {t['raco_ms']:.1f} | "
+        lines.append(f"| {t['model']} | {t['mode']} | {t['batch_size']} | {t['dpsgd_ms']:.2f} | {t['raco_ms']:.2f} | "
                      f"{t['ratio']:.2f}x |")
     return lines
 
@@ -405,8 +414,10 @@ def main(argv):
                 print(f"[{time.time() - started:5.0f}s] {name} {model_kind} {key} steps={plan['steps']} "
                       f"ε={plan['realized_epsilon']:.3f} ({time.time() - group_start:.0f}s): {best}", flush=True)
 
-    timings = [measure_step_time(datasets["adult"] if "adult" in datasets else load("adult"), model_kind,
-                                 BATCH_SIZES["adult"]) for model_kind in FLAGS.timing_models]
+    adult = datasets["adult"] if "adult" in datasets else load("adult")
+    timings = [measure_step_time(adult, model_kind, BATCH_SIZES["adult"], mode)
+               for model_kind in FLAGS.timing_models for mode in FLAGS.timing_modes]
+    keras.backend.clear_session()
     elapsed = time.time() - started
 
     lines = [f"# RaCO-DP fairness benchmark{' (quick)' if FLAGS.quick else ''}", "",

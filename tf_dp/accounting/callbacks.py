@@ -6,7 +6,19 @@ import keras
 
 
 class PrivacyReport(keras.callbacks.Callback):
-    """Adds ``epsilon`` (all steps so far, at the model's δ) to each epoch's logs."""
+    """Adds ``epsilon`` (all steps so far, at the model's δ) to each epoch's logs.
+
+    Before the first step it re-records the running phase in the ledger, so that a ledger
+    restored by a later callback's ``on_train_begin`` (BackupAndRestore) is extended, not
+    overwritten."""
+
+    def on_train_begin(self, logs=None):
+        self._first_batch = True
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._first_batch:
+            self._first_batch = False
+            self.model.reopen_phase()
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
@@ -26,6 +38,14 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._allowed_steps = None
 
     def on_train_begin(self, logs=None):
+        self._check_budget()  # a clear error before training if nothing is left
+        self._allowed_steps = None  # recomputed at the first batch, after any restore
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._allowed_steps is None:  # after every on_train_begin (restores) has run
+            self._check_budget()
+
+    def _check_budget(self):
         self._allowed_steps = _max_total_steps(self.model, self.max_epsilon)
         if self._allowed_steps is not None and self._steps() >= self._allowed_steps:
             raise ValueError(

@@ -261,6 +261,7 @@ class DPModelMixin:
             raise RuntimeError(f"Compile the {type(self).__name__} with a tf_dp optimizer and a loss before training.")
 
     def _open_phase(self, scheme, sampling_rate, num_examples, expected_batch_size):
+        self._phase_arguments = (scheme, sampling_rate, num_examples, expected_batch_size)
         sigma = self.optimizer.noise_multiplier
         if sigma is None:
             raise ValueError(
@@ -269,6 +270,12 @@ class DPModelMixin:
             )
         self.privacy_ledger.open_phase(scheme, sampling_rate, sigma, num_examples, expected_batch_size,
                                        self._histogram_noise())
+
+    def reopen_phase(self):
+        """Re-records the running phase (after a callback such as BackupAndRestore has
+        replaced the ledger with a checkpoint's): its steps are then composed correctly."""
+        if getattr(self, "_phase_arguments", None):
+            self._open_phase(*self._phase_arguments)
 
     def _histogram_noise(self) -> float:
         """Laplace scale of a histogram released from the same batch (RaCO-DP); 0: none."""

@@ -1,0 +1,47 @@
+"""Canaries for the one-run audit: examples whose membership is the audited secret.
+
+A canary should be easy to recognise once trained on and uninformative otherwise, so its
+score separates members from non-members: a real example with a wrong label
+(``mislabeled_canaries``), or a random-pixel input with a random label
+(``random_pixel_canaries``), which no other example teaches the model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tf_dp import _checks
+
+__all__ = ["mislabeled_canaries", "random_pixel_canaries"]
+
+
+def mislabeled_canaries(
+    x: np.ndarray, y: np.ndarray, count: int, num_classes: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Takes ``count`` random rows of (x, y) out as canaries and relabels each one with a
+    class drawn uniformly from the other ``num_classes − 1``.
+
+    Returns:
+      ``(x_rest, y_rest, canary_x, canary_y)``: the remaining rows (train on them always)
+      and the canaries (each included with probability 1/2 by ``OneRunAudit``).
+    """
+    count = _checks.positive_int("count", count)
+    if count > len(x):
+        raise ValueError(f"`count` ({count}) exceeds the number of rows ({len(x)}).")
+    rng = np.random.default_rng(seed)
+    chosen = rng.permutation(len(x))[:count]
+    rest = np.setdiff1d(np.arange(len(x)), chosen)
+    shift = rng.integers(1, num_classes, size=count)  # 1..K−1: never the true class
+    canary_y = ((y[chosen].astype(np.int64) + shift) % num_classes).astype(y.dtype)
+    return x[rest], y[rest], x[chosen], canary_y
+
+
+def random_pixel_canaries(
+    count: int, shape: tuple[int, ...], num_classes: int, seed: int = 0, dtype=np.float32
+) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` inputs with i.i.d. U[0, 1] features of ``shape`` and uniform random labels."""
+    count = _checks.positive_int("count", count)
+    rng = np.random.default_rng(seed)
+    canary_x = rng.random((count, *shape)).astype(dtype)
+    canary_y = rng.integers(0, num_classes, size=count).astype(np.int32)
+    return canary_x, canary_y
