@@ -66,7 +66,7 @@ from tf_dp.data import load_adult, load_compas, load_credit_default, load_parkin
 from tf_dp.models.data import poisson_dataset  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_bool("quick", False, "Smoke configuration (~2 min): logistic only, ε ∈ {1, inf}, 1 seed, one γ and λ.")
+flags.DEFINE_bool("quick", False, "Smoke run (~2 min): logistic, ε ∈ {1, inf}, 1 seed, one γ and one λ.")
 flags.DEFINE_list("datasets", ["adult", "credit", "compas", "parkinsons"], "Data sets.")
 flags.DEFINE_list("models", ["logistic", "mlp"], "Models.")
 flags.DEFINE_list("epsilons", ["0.1", "1", "10", "inf"], "Target ε values; 'inf' = non-private (σ = 0).")
@@ -81,7 +81,7 @@ flags.DEFINE_float("small_epsilon_noise_factor", 8.0, "σ and histogram scale ar
 flags.DEFINE_float("nonprivate_histogram_noise", 1e-6, "Histogram scale of the non-private runs (must be > 0).")
 flags.DEFINE_float("l2_norm_clip", 3.0, "C.")
 flags.DEFINE_float("learning_rate", 1.0, "Primal DP-SGD learning rate.")
-flags.DEFINE_float("parkinsons_learning_rate", 0.3, "Primal learning rate on Parkinson's (chosen on its training split).")
+flags.DEFINE_float("parkinsons_learning_rate", 0.3, "Primal lr on Parkinson's (chosen on its train split).")
 flags.DEFINE_float("dual_budget", 40.0, "η_λ = min(max_dual_learning_rate, dual_budget / steps).")
 flags.DEFINE_float("max_dual_learning_rate", 5.0, "Largest η_λ (the value of examples/raco_adult.py).")
 flags.DEFINE_float("temperature", 1.0, "Softmax temperature of the histogram.")
@@ -330,9 +330,11 @@ def pareto_plot(summary: list[dict], dataset: str, model_kind: str, epsilon_keys
     from matplotlib.lines import Line2D
 
     realized = {k: plans[dataset][k].get("realized_epsilon") for k in epsilon_keys}
-    handles = [Line2D([], [], color=colors[k], marker="o", linestyle="-",
-                      label=k if realized[k] is None or math.isinf(realized[k]) else f"{k} (realized {realized[k]:.2f})")
-               for k in epsilon_keys]
+    def legend_label(key):
+        value = realized[key]
+        return key if value is None or math.isinf(value) else f"{key} (realized {value:.2f})"
+
+    handles = [Line2D([], [], color=colors[k], marker="o", linestyle="-", label=legend_label(k)) for k in epsilon_keys]
     handles += [Line2D([], [], color="gray", marker=markers[m], linestyle="none", label=METHOD_LABELS[m])
                 for m in markers]
     axes.legend(handles=handles, fontsize=8, loc="best")
@@ -364,7 +366,7 @@ def main(argv):
         apply_quick()
     tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
     tf.config.threading.set_inter_op_parallelism_threads(FLAGS.threads)
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
     epsilons = [float(e) for e in FLAGS.epsilons]
     epsilon_keys = [epsilon_label(e) for e in epsilons]
     os.makedirs(FLAGS.output_dir, exist_ok=True)
@@ -418,10 +420,11 @@ def main(argv):
     timings = [measure_step_time(adult, model_kind, BATCH_SIZES["adult"], mode)
                for model_kind in FLAGS.timing_models for mode in FLAGS.timing_modes]
     keras.backend.clear_session()
-    elapsed = time.time() - started
+    elapsed, cpu = time.time() - started, time.process_time() - cpu_started
 
     lines = [f"# RaCO-DP fairness benchmark{' (quick)' if FLAGS.quick else ''}", "",
-             f"{time.strftime('%Y-%m-%d')}, {FLAGS.threads} TF thread(s), {elapsed / 60:.1f} min. Demographic parity "
+             f"{time.strftime('%Y-%m-%d')}, {FLAGS.threads} TF thread(s), {elapsed / 60:.1f} min wall, "
+             f"{cpu / 60:.1f} min CPU. Demographic parity "
              f"(2 groups); test accuracy / test DP gap of hard predictions, mean±std over {FLAGS.seeds} seed(s). "
              f"δ = {FLAGS.delta:g}, C = {FLAGS.l2_norm_clip:g}, max_epochs = {FLAGS.max_epochs}.", "",
              "## Privacy settings", "", *settings_table(plans, sizes), "",
@@ -433,7 +436,7 @@ def main(argv):
         f.write(markdown)
     json_safe = lambda v: None if isinstance(v, float) and math.isinf(v) else v  # noqa: E731
     payload = {
-        "date": time.strftime("%Y-%m-%d"), "elapsed_seconds": elapsed, "threads": FLAGS.threads,
+        "date": time.strftime("%Y-%m-%d"), "elapsed_seconds": elapsed, "cpu_seconds": cpu, "threads": FLAGS.threads,
         "flags": {f: json_safe(getattr(FLAGS, f)) for f in (
             "quick", "datasets", "models", "epsilons", "gammas", "penalties", "seeds", "max_epochs", "delta",
             "noise_multiplier", "histogram_noise", "small_epsilon_noise_factor", "nonprivate_histogram_noise",

@@ -174,3 +174,17 @@ def test_two_point_observation_is_clipped_as_one_vector(build, engine):
     for v, got in enumerate(result.clipped_sums):
         want = sum(min(1.0, clip / norms[i]) * u[i][v] for i in range(BATCH))
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_nonfinite_example_contributes_zero_and_is_counted():
+    model, x = dense_model()
+    y = np.random.randint(0, 3, BATCH).astype("int32")
+    clean = clipped_gradient_sum(model, sparse_ce, tf.constant(x[1:]), tf.constant(y[1:]), tf.ones(BATCH - 1), 0.5)
+    poisoned = x.copy()
+    poisoned[0, 0] = np.nan
+    for engine in ("ghost", "vectorized"):
+        result = clipped_gradient_sum(model, sparse_ce, tf.constant(poisoned), tf.constant(y), tf.ones(BATCH), 0.5,
+                                      engine=engine)
+        for got, want in zip(result.clipped_sums, clean.clipped_sums):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7)
+        assert float(result.nonfinite_count(tf.ones(BATCH))) == 1.0

@@ -188,3 +188,64 @@ def test_import_is_quiet(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
     assert "tf_dp" not in result.stderr
+
+
+def test_validate_lists_problems_and_fix_replaces_batch_norm(capsys):
+    inputs = keras.Input((8, 8, 3))
+    hidden = keras.layers.Conv2D(6, 3, activation="relu")(inputs)
+    hidden = keras.layers.BatchNormalization()(hidden)
+    outputs = keras.layers.Dense(CLASSES)(keras.layers.Flatten()(hidden))
+    model = keras.Model(inputs, outputs)
+    problems = tf_dp.validate(model)
+    assert len(problems) == 1 and "BatchNormalization" in problems[0]
+    fixed = tf_dp.fix(model)
+    assert tf_dp.validate(fixed) == [] and "replaced BatchNormalization" in capsys.readouterr().out
+    assert any(isinstance(layer, keras.layers.GroupNormalization) for layer in fixed.layers)
+    np.testing.assert_array_equal(fixed.layers[1].get_weights()[0], model.layers[1].get_weights()[0])
+    private = tf_dp.make_private(fixed)
+    private.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=sparse_ce)
+    private.train_on_batch(np.zeros((4, 8, 8, 3), "float32"), np.zeros(4, "int32"))
+    rnn = keras.Sequential([keras.Input((3, 2), batch_size=4), keras.layers.SimpleRNN(2, stateful=True)])
+    assert any("stateful" in p for p in tf_dp.validate(rnn))
+
+
+def test_nonfinite_examples_are_counted_in_logs_and_do_not_poison_weights():
+    x, y = data()
+    x = x.copy()
+    x[:5, 0] = np.inf
+    model = functional(sigma=0.5)
+    history = model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    assert history.history["nonfinite_examples"][0] > 0
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_secure_mode_refuses_seeds_and_draws_unreproducible_noise():
+    with pytest.raises(ValueError, match="secure_mode"):
+        tf_dp.DPSGD(0.1, noise_multiplier=1.0, seed=1, secure_mode=True)
+    x, y = data()
+    weights = []
+    for _ in range(2):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((FEATURES,))
+        model = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES)(inputs))
+        model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, secure_mode=True), loss=sparse_ce)
+        model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+        weights.append(model.get_weights()[0])
+    assert not np.allclose(weights[0], weights[1])
+    with pytest.raises(ValueError, match="XLA"):
+        model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, secure_mode=True), loss=sparse_ce, jit_compile=True)
+    model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, secure_mode=True), loss=sparse_ce)
+    with pytest.raises(ValueError, match="sampling_seed"):
+        model.fit(x, y, batch_size=20, epochs=1, verbose=0, sampling_seed=3)
+
+
+def test_changed_sigma_between_fits_is_composed():
+    x, y = data()
+    model = functional(sigma=1.0)
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    model.optimizer.noise_multiplier = 2.0
+    model.fit(x, y, batch_size=40, epochs=1, verbose=0)
+    phases = model.privacy_ledger.phases()
+    assert [(p.noise_multiplier, p.sampling_rate, p.steps) for p in phases] == [(1.0, 0.1, 10), (2.0, 0.2, 5)]
+    alone = compute_epsilon(N, 20, 1.0, steps=10)
+    assert model.get_epsilon() > alone

@@ -7,7 +7,7 @@ noise (``tf_dp.noise``) → filter (``tf_dp.filters``) → update (``tf_dp.optim
 from tf_dp import accounting, clipping, filters, noise, raco, sampling
 from tf_dp.accounting import calibrate_noise_multiplier, compute_epsilon
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
-from tf_dp.models import DPModel, DPSequential, make_private
+from tf_dp.models import DPModel, DPSequential, fix, make_private, validate
 from tf_dp.optimizers import FIBER, DiSK, DPAdam, DPAdamW, DPSGD
 
 __version__ = "0.1.0"
@@ -15,5 +15,5 @@ __version__ = "0.1.0"
 __all__ = [
     "FIBER", "DPAdam", "DPAdamW", "DPModel", "DPSGD", "DiSK", "DPSequential", "PrivacyBudget", "PrivacyReport",
     "accounting", "calibrate_noise_multiplier", "clipping", "filters", "raco", "compute_epsilon", "make_private", "noise",
-    "sampling",
+    "fix", "sampling", "validate",
 ]

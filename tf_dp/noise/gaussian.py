@@ -21,6 +21,12 @@ def new_seed() -> int:
     return secrets.randbits(63)
 
 
+def secure_key() -> tf.Tensor:
+    """A fresh Philox key from the OS CSPRNG at every call of the compiled step
+    (``secure_mode``): the noise cannot be reproduced from any stored seed. Not XLA-compilable."""
+    return tf.reshape(tf.py_function(lambda: new_seed(), [], tf.int64), [])
+
+
 _PHILOX = 1  # tf.random.Algorithm.PHILOX
 
 

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from tf_dp import _checks
 from tf_dp.clipping import CURRENT_WEIGHTS
-from tf_dp.noise import add_gaussian_noise, new_seed
+from tf_dp.noise import add_gaussian_noise, new_seed, secure_key
 
 _NOT_CALIBRATED = float("nan")
 
@@ -36,9 +36,12 @@ class DPOptimizer:
       noise_multiplier: σ; the noise on the clipped sum has std σ·C. ``None`` only when a
         ``target_epsilon`` given to ``DPModel.compile`` calibrates it before training.
       seed: key of the noise stream (reproducible). ``None`` draws a fresh one from the OS.
+      secure_mode: draw a fresh key from the OS CSPRNG at every step (and Poisson batches
+        from OS entropy): the production setting; no seed, no XLA.
     """
 
-    def _init_dp(self, l2_norm_clip: float, noise_multiplier: Optional[float], seed: Optional[int]):
+    def _init_dp(self, l2_norm_clip: float, noise_multiplier: Optional[float], seed: Optional[int],
+                 secure_mode: bool = False):
         l2_norm_clip = _checks.positive("l2_norm_clip", l2_norm_clip, "It is the per-example clip bound C.")
         if noise_multiplier is not None:
             noise_multiplier = _checks.non_negative(
@@ -46,6 +49,12 @@ class DPOptimizer:
             )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
+        if not isinstance(secure_mode, bool):
+            raise TypeError(f"`secure_mode` must be a bool, got {secure_mode!r}.")
+        if secure_mode and seed is not None:
+            raise ValueError("`secure_mode=True` draws every step's noise key from the OS CSPRNG; it accepts no "
+                             "`seed`. Pass seed=None (or secure_mode=False for reproducible runs).")
+        self.secure_mode = secure_mode
         self._user_seed = None if seed is None else int(seed)
         noise_key = int(seed if seed is not None else new_seed()) & (2**63 - 1)
         with keras.name_scope(self.name, caller=self):
@@ -88,6 +97,10 @@ class DPOptimizer:
     def seed(self) -> Optional[int]:
         return self._user_seed
 
+    def noise_key(self) -> tf.Tensor:
+        """This step's Philox key: the stored seed, or fresh OS entropy in secure mode."""
+        return secure_key() if self.secure_mode else self._noise_seed.value
+
     def clip_bound(self) -> tf.Tensor:
         """C as a tensor, read inside the compiled train step."""
         return self._l2_norm_clip.value
@@ -123,7 +136,7 @@ class DPOptimizer:
                 self.build(trainable_variables)
         stddev_on_sum = self._noise_multiplier.value * self._l2_norm_clip.value
         denominator = tf.cast(expected_batch_size, tf.float32)
-        noisy_sums = add_gaussian_noise(list(clipped_sums), stddev_on_sum, self._noise_seed.value, self.iterations)
+        noisy_sums = add_gaussian_noise(list(clipped_sums), stddev_on_sum, self.noise_key(), self.iterations)
         averaged = [g / tf.cast(denominator, g.dtype) for g in noisy_sums]
         self._averaged_noise_stddev.assign(stddev_on_sum / denominator)
         averaged = self.filter_gradients(averaged, trainable_variables)
@@ -148,4 +161,5 @@ class DPOptimizer:
             "l2_norm_clip": self.l2_norm_clip,
             "noise_multiplier": self.noise_multiplier,
             "seed": self._user_seed,
+            "secure_mode": self.secure_mode,
         }

@@ -61,13 +61,14 @@ class DPAdam(NoiseBiasCorrectedAdamMixin, DPOptimizer, keras.optimizers.Adam):
         l2_norm_clip: float = 1.0,
         noise_multiplier: Optional[float] = None,
         seed: Optional[int] = None,
+        secure_mode: bool = False,
         noise_bias_correction: bool = False,
         variance_floor: float = DEFAULT_VARIANCE_FLOOR,
         name: str = "DPAdam",
         **kwargs,
     ):
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        self._init_dp(l2_norm_clip, noise_multiplier, seed)
+        self._init_dp(l2_norm_clip, noise_multiplier, seed, secure_mode)
         self._init_bias_correction(noise_bias_correction, variance_floor)
 
     def get_config(self):

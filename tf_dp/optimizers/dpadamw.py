@@ -26,6 +26,7 @@ class DPAdamW(NoiseBiasCorrectedAdamMixin, DPOptimizer, keras.optimizers.AdamW):
         l2_norm_clip: float = 1.0,
         noise_multiplier: Optional[float] = None,
         seed: Optional[int] = None,
+        secure_mode: bool = False,
         weight_decay: float = 0.004,
         noise_bias_correction: bool = False,
         variance_floor: float = DEFAULT_VARIANCE_FLOOR,
@@ -33,7 +34,7 @@ class DPAdamW(NoiseBiasCorrectedAdamMixin, DPOptimizer, keras.optimizers.AdamW):
         **kwargs,
     ):
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, name=name, **kwargs)
-        self._init_dp(l2_norm_clip, noise_multiplier, seed)
+        self._init_dp(l2_norm_clip, noise_multiplier, seed, secure_mode)
         self._init_bias_correction(noise_bias_correction, variance_floor)
 
     def get_config(self):

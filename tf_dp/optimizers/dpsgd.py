@@ -23,13 +23,14 @@ class DPSGD(DPOptimizer, keras.optimizers.SGD):
         l2_norm_clip: float = 1.0,
         noise_multiplier: Optional[float] = None,
         seed: Optional[int] = None,
+        secure_mode: bool = False,
         momentum: float = 0.0,
         nesterov: bool = False,
         name: str = "DPSGD",
         **kwargs,
     ):
         super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, name=name, **kwargs)
-        self._init_dp(l2_norm_clip, noise_multiplier, seed)
+        self._init_dp(l2_norm_clip, noise_multiplier, seed, secure_mode)
 
     def get_config(self):
         return {**super().get_config(), **self._dp_config()}

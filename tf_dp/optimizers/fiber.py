@@ -47,13 +47,15 @@ class FIBER(TwoPointObservation, DPAdamW):
         l2_norm_clip: float = 1.0,
         noise_multiplier: Optional[float] = None,
         seed: Optional[int] = None,
+        secure_mode: bool = False,
         name: str = "FIBER",
         **kwargs,
     ):
         super().__init__(
             learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
             variance_floor=variance_floor, weight_decay=weight_decay, noise_bias_correction=noise_bias_correction,
-            l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier, seed=seed, name=name, **kwargs,
+            l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier, seed=seed, secure_mode=secure_mode, name=name,
+            **kwargs,
         )
         self._init_two_point(kappa, gamma)
         self.attenuation = attenuation_factor(omega)

@@ -114,7 +114,7 @@ class RateConstrainedModel(DPModel):
         x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
         partitions = self.constraint_set.partitioning.ids(data["groups"], y)
         noisy = self.histogram.add_noise(self._batch_histogram(x, partitions, mask),
-                                         self.optimizer._noise_seed.value, self.optimizer.iterations)
+                                         self.optimizer.noise_key(), self.optimizer.iterations)
         values = self.constraint_set.values(noisy)
         self._lagrangian = (self.constraint_set.coefficients(noisy, self.multipliers), expected_batch_size)
         packed = tf.stack([tf.cast(y, tf.int32), partitions], axis=-1)

@@ -10,6 +10,7 @@ sums the clipped gradients of all chunks and applies noise once.
 from __future__ import annotations
 
 import math
+import os
 from typing import Iterator, Optional
 
 import numpy as np
@@ -17,9 +18,17 @@ import numpy as np
 from tf_dp import _checks
 
 
-def sample_poisson_batch(rng: np.random.Generator, num_examples: int, sampling_rate: float) -> np.ndarray:
-    """Indices of the examples drawn, each independently with probability ``sampling_rate``."""
-    return np.flatnonzero(rng.random(num_examples) < sampling_rate)
+def sample_poisson_batch(rng, num_examples: int, sampling_rate: float) -> np.ndarray:
+    """Indices of the examples drawn, each independently with probability ``sampling_rate``.
+    ``rng`` is a numpy Generator, or ``os.urandom`` for OS-entropy (secure) sampling."""
+    return np.flatnonzero(_uniforms(rng, num_examples) < sampling_rate)
+
+
+def _uniforms(rng, count: int) -> np.ndarray:
+    if isinstance(rng, np.random.Generator):
+        return rng.random(count)
+    words = np.frombuffer(rng(8 * count), dtype=np.uint64)
+    return (words >> np.uint64(11)).astype(np.float64) * 2.0**-53  # 53 random bits in [0, 1)
 
 
 def _binomial_log_pmf(n: int, p: float, k: np.ndarray) -> np.ndarray:
@@ -67,17 +76,20 @@ class PoissonSampler:
       expected_batch_size: L; the sampling rate is q = L / N.
       physical_batch_size: P (None chooses it by ``choose_physical_batch_size``).
       seed: numpy seed for the batch selection (None: fresh OS entropy).
+      secure: draw every step's uniforms from ``os.urandom`` (secure mode; no seed).
     """
 
     def __init__(self, num_examples: int, expected_batch_size: int, physical_batch_size: Optional[int] = None,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, secure: bool = False):
         self.num_examples = _checks.positive_int("num_examples", num_examples)
         self.expected_batch_size = _checks.batch_size_for(num_examples, expected_batch_size)
         self.sampling_rate = self.expected_batch_size / self.num_examples
         if physical_batch_size is None:
             physical_batch_size = choose_physical_batch_size(self.num_examples, self.sampling_rate)
         self.physical_batch_size = _checks.positive_int("physical_batch_size", physical_batch_size)
-        self._rng = np.random.default_rng(seed)
+        if secure and seed is not None:
+            raise ValueError("secure sampling draws from the OS; it accepts no `seed`.")
+        self._rng = os.urandom if secure else np.random.default_rng(seed)
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         while True:
