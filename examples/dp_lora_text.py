@@ -14,8 +14,9 @@ the SAME ε (σ calibrated by ``compile(target_epsilon=...)``), batch size and e
 
 tf_dp clips per example over all trainable variables. Dense with LoRA and EinsumDense
 have no ghost rule, so those layers are replayed per example by ``tf.vectorized_map``
-(tf_dp's per-layer fallback); the script reports trainable parameters, ms/step, test
-accuracy and ε of both runs, measured in the same process.
+(tf_dp's per-layer fallback). The script reports trainable parameters, test accuracy, ε
+and ms/step of both runs; ms/step is timed after training on throwaway copies of both
+models (same σ and L), in alternating rounds so that load from other jobs hits both alike.
 
 Frozen variables and the fallback: Keras keeps a variable frozen after creation (the base
 kernel after ``enable_lora``, a bias set ``trainable = False``) in the layer's
@@ -35,6 +36,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -62,8 +64,19 @@ flags.DEFINE_integer("num_heads", 2, "Attention heads (key_dim = d / heads).")
 flags.DEFINE_integer("ff_dim", 64, "Hidden width of the feed-forward block.")
 flags.DEFINE_bool("retrack_frozen", True, "Move frozen variables to the non-trainable store (see docstring).")
 flags.DEFINE_integer("seed", 0, "Seed of the initial weights, noise and sampling.")
+flags.DEFINE_integer("timing_rounds", 3, "Alternating timing rounds after training (0: report fit's own median).")
+flags.DEFINE_integer("timing_steps", 20, "Steps per timing round.")
 
 LORA_LAYERS = (keras.layers.Dense, keras.layers.EinsumDense)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One fine-tuning protocol: all weights or LoRA factors only."""
+
+    name: str
+    lora: bool
+    learning_rate: float
 
 
 @dataclass
@@ -136,6 +149,15 @@ def enable_lora_only(model: keras.Model, rank: int, retrack_frozen: bool = True)
             layer.trainable = False
 
 
+def build_variant(variant: Variant, make_model, initial_weights: list) -> tf_dp.DPModel:
+    """A fresh model with ``initial_weights``; LoRA-only trainable if ``variant.lora``."""
+    model = make_model()
+    model.set_weights(initial_weights)
+    if variant.lora:
+        enable_lora_only(model, FLAGS.rank, FLAGS.retrack_frozen)
+    return model
+
+
 def count_params(variables) -> int:
     return int(sum(np.prod(v.shape) for v in variables))
 
@@ -149,23 +171,45 @@ def random_subset(x: np.ndarray, y: np.ndarray, size, seed: int) -> tuple[np.nda
     return x[rows], y[rows]
 
 
-def fine_tune(name: str, model: tf_dp.DPModel, learning_rate: float, train, test) -> RunResult:
-    """DP-Adam at --target_epsilon; returns the measured figures."""
+def compile_dp(model: tf_dp.DPModel, learning_rate: float, noise_multiplier: Optional[float] = None) -> None:
+    """DP-Adam; σ calibrated to --target_epsilon unless ``noise_multiplier`` is given."""
     model.compile(
-        optimizer=tf_dp.DPAdam(learning_rate, l2_norm_clip=FLAGS.l2_norm_clip, seed=FLAGS.seed),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"], delta=FLAGS.delta, target_epsilon=FLAGS.target_epsilon,
+        optimizer=tf_dp.DPAdam(learning_rate, l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=noise_multiplier,
+                               seed=FLAGS.seed),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"], delta=FLAGS.delta,
+        target_epsilon=None if noise_multiplier is not None else FLAGS.target_epsilon,
     )
+
+
+def fine_tune(variant: Variant, model: tf_dp.DPModel, train, test) -> RunResult:
+    """DP fine-tuning at --target_epsilon; ms/step here is the median inside this fit."""
+    compile_dp(model, variant.learning_rate)
     params = count_params(model.trainable_variables)
-    print(f"{name}: {params} trainable parameters in {len(model.trainable_variables)} variables", flush=True)
+    print(f"--- {variant.name}: {params} trainable parameters in {len(model.trainable_variables)} variables",
+          flush=True)
     clock = BatchClock()
     model.fit(*train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, callbacks=[clock],
               sampling_seed=FLAGS.seed, verbose=2)
     accuracy = model.evaluate(*test, batch_size=512, verbose=0, return_dict=True)["accuracy"]
-    result = RunResult(name, params, clock.ms_per_step(), float(accuracy), model.get_epsilon(),
+    result = RunResult(variant.name, params, clock.ms_per_step(), float(accuracy), model.get_epsilon(),
                        float(model.optimizer.noise_multiplier), int(model.privacy_ledger.steps.numpy()))
-    print(f"result {result.summary()} (sigma = {result.sigma:.4f}, {result.steps} steps)", flush=True)
+    print(f"result {result.summary()} (sigma = {result.sigma:.4f}, {result.steps} steps; "
+          f"ms/step during training)", flush=True)
     return result
+
+
+def time_steps(models: dict[str, tf_dp.DPModel], train) -> dict[str, float]:
+    """Median ms/step of each model over --timing_rounds rounds of --timing_steps steps, the
+    models taking turns (order alternating) so that load from other jobs hits both alike."""
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for round_index in range(FLAGS.timing_rounds):
+        order = list(models) if round_index % 2 == 0 else list(reversed(models))
+        for name in order:
+            clock = BatchClock()
+            models[name].fit(*train, batch_size=FLAGS.batch_size, epochs=1, steps_per_epoch=FLAGS.timing_steps + 1,
+                             sampling_seed=round_index + 1, callbacks=[clock], verbose=0)
+            times[name].append(clock.ms_per_step())
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main(argv):
@@ -174,20 +218,24 @@ def main(argv):
     data = load_tweets(vocabulary_size=FLAGS.vocabulary_size)
     train = random_subset(data.x_train, data.y_train, FLAGS.train_examples, FLAGS.seed)
     test = random_subset(data.x_test, data.y_test, FLAGS.test_examples, FLAGS.seed)
-    build = lambda: transformer_classifier(len(data.feature_names), data.x_train.shape[1], len(data.class_names))  # noqa: E731
-    initial_weights = build().get_weights()
+    make_model = lambda: transformer_classifier(len(data.feature_names), data.x_train.shape[1], len(data.class_names))  # noqa: E731
+    initial_weights = make_model().get_weights()
+    variants = [Variant("full", False, FLAGS.learning_rate),
+                Variant(f"lora(rank={FLAGS.rank})", True, FLAGS.lora_learning_rate)]
+    results = [fine_tune(v, build_variant(v, make_model, initial_weights), train, test) for v in variants]
 
-    full = build()
-    full.set_weights(initial_weights)
-    full_result = fine_tune("full", full, FLAGS.learning_rate, train, test)
-
-    lora = build()
-    lora.set_weights(initial_weights)
-    enable_lora_only(lora, FLAGS.rank, FLAGS.retrack_frozen)
-    lora_result = fine_tune(f"lora(rank={FLAGS.rank})", lora, FLAGS.lora_learning_rate, train, test)
-
-    print(f"final: {full_result.summary()}; {lora_result.summary()} "
-          f"(delta = {FLAGS.delta:g}, {len(train[1])} train tweets, {full_result.steps} Poisson steps each)")
+    if FLAGS.timing_rounds:  # throwaway copies at the same σ: the trained models' ledgers stay untouched
+        timing_models = {}
+        for variant, result in zip(variants, results):
+            timing_models[variant.name] = build_variant(variant, make_model, initial_weights)
+            compile_dp(timing_models[variant.name], variant.learning_rate, noise_multiplier=result.sigma)
+        for result, ms in zip(results, time_steps(timing_models, train).values()):
+            result.ms_per_step = ms
+        print(f"timing: median of {FLAGS.timing_rounds} alternating rounds of {FLAGS.timing_steps} steps, "
+              f"L = {FLAGS.batch_size}", flush=True)
+    full, lora = results
+    print(f"final: {full.summary()}; {lora.summary()}; LoRA/full step time = {lora.ms_per_step / full.ms_per_step:.2f}x "
+          f"(delta = {FLAGS.delta:g}, {len(train[1])} train tweets, {full.steps} Poisson steps each)")
 
 
 if __name__ == "__main__":

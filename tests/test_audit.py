@@ -104,7 +104,8 @@ def test_guesses_membership_and_training_set():
     x, y = np.zeros((7, 3), np.float32), np.zeros(7, np.int32)
     x_train, y_train = one_run.training_set(x, y)
     assert len(y_train) == 7 + one_run.membership.sum()
-    assert {tuple(row) for row in x_train[np.any(x_train != 0, axis=1)]} == {tuple(r) for r in canary_x[one_run.membership]}
+    included = {tuple(row) for row in canary_x[one_run.membership]}
+    assert {tuple(row) for row in x_train[np.any(x_train != 0, axis=1)]} == included
 
     scores = np.where(one_run.membership, 1.0, -1.0) + np.random.default_rng(2).normal(0, 0.1, 400)
     guesses = audit.guess_membership(scores, 50, 30)

@@ -95,7 +95,7 @@ def test_poisson_step_divides_by_expected_not_realized_batch_size():
     mask = np.array([1, 1, 1, 0, 0], "float32")
     per_example = loop_per_example_gradients(model, x, y)
     before = weights(model)
-    batch = {"x": x[None], "y": y[None], "mask": mask[None], "expected_batch_size": np.float32(10.0)}
+    batch = {"x": x[None], "y": y[None], "mask": mask[None], "expected_batch_size": np.array([10.0], "float32")}
     model.train_step(tf.nest.map_structure(tf.constant, batch))
     for v, (after, start) in enumerate(zip(weights(model), before)):
         np.testing.assert_allclose(after, start - lr * sum(per_example[i][v] for i in range(3)) / 10, rtol=1e-5, atol=1e-7)

@@ -62,8 +62,11 @@ class PrivacyLedger(tf.Module):
 
     def __init__(self):
         super().__init__(name="privacy_ledger")
-        self.phase_table = tf.Variable(np.zeros((MAX_PHASES, _COLUMNS)), dtype=tf.float64, trainable=False, name="phases")
-        self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="steps")
+        # ONLY_FIRST_REPLICA: under tf.distribute every replica runs the step, one counts it.
+        once = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        self.phase_table = tf.Variable(np.zeros((MAX_PHASES, _COLUMNS)), dtype=tf.float64, trainable=False,
+                                       name="phases", aggregation=once)
+        self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="steps", aggregation=once)
 
     def save_to(self, store) -> None:
         store[self.STORE_KEYS[0]] = self.phase_table.numpy()

@@ -12,7 +12,9 @@ an (ε, δ)-DP algorithm satisfies, for every v,
     P[W ≥ v] ≤ f_ε,δ(v) = P[W' ≥ v] + 2mδ · α,   α = max_{i = 1..v} (1/i) · P[v − i ≤ W' < v].
 
 Pure ε-DP is δ = 0: f_ε(v) = P[W' ≥ v]. The audit rejects "(ε, δ)-DP" at level β = 1 − confidence
-when f_ε,δ(v) < β for the observed v; the lower bound is the largest such ε.
+when f_ε,δ(v) < β for the observed v; the lower bound is the supremum of the rejected ε (an
+(ε, δ)-DP algorithm is (ε', δ)-DP for every ε' ≥ ε, so rejecting ε' rejects every ε ≤ ε').
+The maximum over i ≤ m in the paper equals the one over i ≤ v (the window stops growing at i = v).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import numpy as np
 from scipy import special, stats
 
 from tf_dp import _checks
+
+__all__ = ["epsilon_lower_bound", "p_value", "pure_epsilon_lower_bound", "randomized_response_accuracy"]
 
 _GRID_POINTS = 256  # scan of [0, ε_pure] for the (ε, δ) bound before bisection
 _BISECTION_STEPS = 60
@@ -56,7 +60,7 @@ def p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: fl
 
 
 def pure_epsilon_lower_bound(guesses: int, correct: int, confidence: float = 0.95) -> float:
-    """Largest ε with P[Bin(r, e^ε/(1+e^ε)) ≥ v] < β, in closed form (δ = 0).
+    """sup{ε ≥ 0 : P[Bin(r, e^ε/(1+e^ε)) ≥ v] < β}, in closed form (pure ε-DP, δ = 0).
 
     P[Bin(r, q) ≥ v] = I_q(v, r − v + 1) (regularized incomplete beta) increases in q, so
     the rejected q are those below q* = I⁻¹_β(v, r − v + 1), the one-sided Clopper–Pearson
@@ -86,9 +90,12 @@ def epsilon_lower_bound(
         W' ~ Binomial(r, e^ε / (1 + e^ε)).
 
     δ = 0 is the pure bound (closed form, ``pure_epsilon_lower_bound``). For δ > 0, since
-    f_ε,δ ≥ P[W' ≥ v] the rejected ε lie in [0, ε_pure]; that interval is scanned on a grid
-    and the last crossing refined by bisection, so the answer is the supremum even where
-    f is not monotone in ε, and always satisfies f_ε_lb,δ(v) < β (a rejected ε), or is 0.
+    f_ε,δ ≥ P[W' ≥ v] every rejected ε lies in [0, ε_pure]. f_ε,δ need not be monotone in ε
+    (the δ term can fall as ε grows), so instead of the paper's plain bisection (Appendix D)
+    [0, ε_pure] is scanned on 257 points and the last rejected point is refined by bisection
+    towards the next one: the supremum up to dips narrower than ε_pure/256, and the value
+    returned always satisfies f_ε_lb,δ(v) < β (a rejected ε), or is 0. Where f is monotone
+    (all practical cases checked) this is the paper's answer.
 
     Args:
       guesses: r, the number of non-abstaining guesses (fixed before looking at S).
@@ -149,5 +156,3 @@ def _beta(confidence) -> float:
     confidence = _checks.in_open_unit_interval("confidence", confidence)
     return 1.0 - confidence
 
-
-__all__ = ["epsilon_lower_bound", "p_value", "pure_epsilon_lower_bound", "randomized_response_accuracy"]

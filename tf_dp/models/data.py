@@ -66,11 +66,16 @@ def is_batched_dataset(dataset: tf.data.Dataset, model) -> bool:
 
 
 def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_size: Optional[int],
-                    seed: Optional[int], extras: Optional[dict] = None, secure: bool = False) -> tf.data.Dataset:
-    """Endless dataset of Poisson batches {x, y, mask: [chunks, P, ...], expected_batch_size: L}
-    plus any per-example ``extras`` arrays (e.g. RaCO-DP's group ids), gathered alike."""
+                    seed: Optional[int], extras: Optional[dict] = None, secure: bool = False,
+                    chunk_multiple: int = 1) -> tf.data.Dataset:
+    """Endless dataset of Poisson batches {x, y, mask: [chunks, P, ...], expected_batch_size:
+    [chunks] (L repeated, so that tf.distribute can split every component by chunk)}
+    plus any per-example ``extras`` arrays (e.g. RaCO-DP's group ids), gathered alike. The
+    chunk count is padded (with empty chunks) to a multiple of ``chunk_multiple``, the number
+    of tf.distribute replicas, which split the chunk axis."""
     extras = dict(extras or {})
-    sampler = PoissonSampler(num_examples, batch_size, physical_batch_size, seed, secure=secure)
+    sampler = PoissonSampler(num_examples, batch_size, physical_batch_size, seed, secure=secure,
+                             chunk_multiple=chunk_multiple)
     physical = sampler.physical_batch_size
     expected = np.float32(batch_size)
 
@@ -79,7 +84,7 @@ def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_siz
 
     signature = {
         "x": tf.nest.map_structure(spec, x), "y": spec(y),
-        "mask": tf.TensorSpec([None, physical], tf.float32), "expected_batch_size": tf.TensorSpec([], tf.float32),
+        "mask": tf.TensorSpec([None, physical], tf.float32), "expected_batch_size": tf.TensorSpec([None], tf.float32),
         **{name: spec(array) for name, array in extras.items()},
     }
 
@@ -87,7 +92,7 @@ def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_siz
         for indices, mask in sampler:
             yield {
                 "x": tf.nest.map_structure(lambda a: a[indices], x), "y": y[indices],
-                "mask": mask, "expected_batch_size": expected,
+                "mask": mask, "expected_batch_size": np.full(len(mask), expected),
                 **{name: array[indices] for name, array in extras.items()},
             }
 

@@ -35,7 +35,7 @@ PRIVACY_FILE = "privacy.json"
 
 
 def _version() -> str:
-    from tf_dp import __version__
+    from tf_dp._version import __version__
 
     return __version__
 
@@ -128,7 +128,7 @@ class DPModelMixin:
     def _unpack_dp_batch(self, data):
         """(x, y, mask, L) with x, y, mask shaped [chunks, P, ...]."""
         if is_poisson_batch(data):
-            return data["x"], data["y"], data["mask"], data["expected_batch_size"]
+            return data["x"], data["y"], data["mask"], data["expected_batch_size"][0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError("`sample_weight`/`class_weight` are not supported by DP training in tf_dp.")
@@ -137,7 +137,7 @@ class DPModelMixin:
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         add_chunk_axis = lambda t: tf.expand_dims(t, 0)  # noqa: E731
         mask = tf.ones([1, batch], tf.float32)
-        return tf.nest.map_structure(add_chunk_axis, x), tf.nest.map_structure(add_chunk_axis, y), mask, batch
+        return tf.nest.map_structure(add_chunk_axis, x), tf.nest.map_structure(add_chunk_axis, y), mask, _global(batch)
 
     def _clipped_sum_over_chunks(self, x, y, mask, clip, points):
         zeros = [tf.zeros_like(v) for v in self.trainable_variables]
@@ -228,7 +228,8 @@ class DPModelMixin:
         if self.optimizer.secure_mode and sampling_seed is not None:
             raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
         dataset = poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, sampling_seed,
-                                  extras=self._per_example_extras(num_examples), secure=self.optimizer.secure_mode)
+                                  extras=self._per_example_extras(num_examples), secure=self.optimizer.secure_mode,
+                                  chunk_multiple=self.distribute_strategy.num_replicas_in_sync)
         self._prebuild(x, y)
         return super().fit(
             dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
@@ -255,6 +256,11 @@ class DPModelMixin:
         self._require_dp_compiled()
         if sample_weight is not None or class_weight is not None:
             raise ValueError("`sample_weight`/`class_weight` are not supported by DP training in tf_dp.")
+        if self.distribute_strategy.num_replicas_in_sync > 1:
+            # Keras hands every replica the whole explicit batch: each example would be
+            # clipped and summed R times (sensitivity R·C). Datasets are split correctly.
+            raise ValueError("train_on_batch is not supported under a multi-replica tf.distribute strategy: "
+                             "use fit(), which splits batches across replicas.")
         self._open_phase("batches", 1.0, 0, 0.0)
         if not self.built:
             self._prebuild(x, y)
@@ -375,6 +381,14 @@ class DPModelMixin:
         if set(PrivacyLedger.STORE_KEYS) <= keys:
             self.privacy_ledger.load_from(store)
         super().load_own_variables({k: store[k] for k in keys - set(PrivacyLedger.STORE_KEYS)})
+
+
+def _global(count: tf.Tensor) -> tf.Tensor:
+    """An explicit batch's size over all replicas (tf.distribute splits it)."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return count
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, count)
 
 
 def _split_tail(x, y, fraction):

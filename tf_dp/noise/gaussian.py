@@ -42,7 +42,8 @@ def _philox_normal(shape, key: tf.Tensor, block: tf.Tensor, dtype) -> tf.Tensor:
 
 
 def add_gaussian_noise(
-    tensors: Sequence[tf.Tensor], stddev: tf.Tensor, seed: tf.Tensor, step: tf.Tensor
+    tensors: Sequence[tf.Tensor], stddev: tf.Tensor, seed: tf.Tensor, step: tf.Tensor,
+    replica: tf.Tensor | int = 0, replicas: int = 1,
 ) -> list[tf.Tensor]:
     """Returns ``[t + N(0, stddev² I) for t in tensors]``, one independent draw per coordinate.
 
@@ -51,10 +52,14 @@ def add_gaussian_noise(
       stddev: σ·C, the noise standard deviation on the SUM.
       seed: int64 scalar, the run's Philox key.
       step: the optimizer step; distinct steps give independent noise.
+      replica, replicas: under tf.distribute each of R replicas draws its own share (the
+        caller scales the std by 1/√R so the all-reduced sum has std ``stddev``·√R/√R).
     """
     key = tf.cast(seed, tf.int64)
-    first_block = tf.cast(step, tf.int64) * len(tensors)
+    replica = tf.cast(replica, tf.int64)
+    first_block = tf.cast(step, tf.int64) * len(tensors) * replicas
     return [
-        tensor + tf.cast(stddev, tensor.dtype) * _philox_normal(tf.shape(tensor), key, first_block + index, tensor.dtype)
+        tensor + tf.cast(stddev, tensor.dtype)
+        * _philox_normal(tf.shape(tensor), key, first_block + index * replicas + replica, tensor.dtype)
         for index, tensor in enumerate(tensors)
     ]

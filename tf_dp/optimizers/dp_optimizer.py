@@ -27,6 +27,14 @@ from tf_dp.noise import add_gaussian_noise, new_seed, secure_key
 _NOT_CALIBRATED = float("nan")
 
 
+def _replica() -> tuple:
+    """(this replica's id, number of replicas) under tf.distribute; (0, 1) otherwise."""
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return 0, 1
+    return context.replica_id_in_sync_group, context.num_replicas_in_sync
+
+
 class DPOptimizer:
     """Mixin placed before a Keras optimizer class: ``class DPSGD(DPOptimizer, keras.optimizers.SGD)``.
 
@@ -136,9 +144,17 @@ class DPOptimizer:
                 self.build(trainable_variables)
         stddev_on_sum = self._noise_multiplier.value * self._l2_norm_clip.value
         denominator = tf.cast(expected_batch_size, tf.float32)
-        noisy_sums = add_gaussian_noise(list(clipped_sums), stddev_on_sum, self.noise_key(), self.iterations)
+        replica, replicas = _replica()
+        # Under tf.distribute the R replicas' averaged gradients are SUMMED by the optimizer:
+        # each adds an independent N(0, σ²C²/R) share, so the global sum carries exactly
+        # N(0, σ²C²), added once (R = 1: the plain mechanism).
+        noisy_sums = add_gaussian_noise(list(clipped_sums), stddev_on_sum / replicas**0.5, self.noise_key(),
+                                        self.iterations, replica, replicas)
         averaged = [g / tf.cast(denominator, g.dtype) for g in noisy_sums]
         self._averaged_noise_stddev.assign(stddev_on_sum / denominator)
+        if replicas > 1 and type(self).filter_gradients is not DPOptimizer.filter_gradients:
+            raise NotImplementedError(f"{type(self).__name__} keeps filter state per step; it does not run under "
+                                      "tf.distribute yet. Use DPSGD/DPAdam/DPAdamW with a strategy.")
         averaged = self.filter_gradients(averaged, trainable_variables)
         if public_gradients is not None:
             averaged = [g if p is None else g + tf.cast(p, g.dtype) for g, p in zip(averaged, public_gradients)]

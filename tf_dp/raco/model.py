@@ -62,8 +62,11 @@ class RateConstrainedModel(DPModel):
         }
         count = len(self.constraint_set)
         if getattr(self, "multipliers", None) is None or self.multipliers.shape[0] != count:
-            self.multipliers = tf.Variable(tf.zeros([count]), trainable=False, name="lagrange_multipliers")
-            self.constraint_values = tf.Variable(tf.zeros([count]), trainable=False, name="constraint_values")
+            once = tf.VariableAggregation.ONLY_FIRST_REPLICA
+            self.multipliers = tf.Variable(tf.zeros([count]), trainable=False, name="lagrange_multipliers",
+                                           aggregation=once)
+            self.constraint_values = tf.Variable(tf.zeros([count]), trainable=False, name="constraint_values",
+                                                 aggregation=once)
         if initial_multipliers is not None:
             self.multipliers.assign(tf.fill([count], _checks.non_negative("initial_multipliers", initial_multipliers)))
 

@@ -58,9 +58,11 @@ def choose_physical_batch_size(num_examples: int, sampling_rate: float) -> int:
     return min(candidates, key=expected_rows)
 
 
-def chunk(indices: np.ndarray, physical_batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Lays ``indices`` out as [n_chunks, P] (padding with index 0) and the 0/1 mask."""
+def chunk(indices: np.ndarray, physical_batch_size: int, multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Lays ``indices`` out as [n_chunks, P] (padding with index 0; n_chunks a multiple of
+    ``multiple``) and the 0/1 mask."""
     chunks = max(1, math.ceil(len(indices) / physical_batch_size))
+    chunks = math.ceil(chunks / multiple) * multiple
     padded = np.zeros(chunks * physical_batch_size, dtype=np.int64)
     mask = np.zeros(chunks * physical_batch_size, dtype=np.float32)
     padded[: len(indices)] = indices
@@ -80,7 +82,7 @@ class PoissonSampler:
     """
 
     def __init__(self, num_examples: int, expected_batch_size: int, physical_batch_size: Optional[int] = None,
-                 seed: Optional[int] = None, secure: bool = False):
+                 seed: Optional[int] = None, secure: bool = False, chunk_multiple: int = 1):
         self.num_examples = _checks.positive_int("num_examples", num_examples)
         self.expected_batch_size = _checks.batch_size_for(num_examples, expected_batch_size)
         self.sampling_rate = self.expected_batch_size / self.num_examples
@@ -90,7 +92,9 @@ class PoissonSampler:
         if secure and seed is not None:
             raise ValueError("secure sampling draws from the OS; it accepts no `seed`.")
         self._rng = os.urandom if secure else np.random.default_rng(seed)
+        self.chunk_multiple = _checks.positive_int("chunk_multiple", chunk_multiple)
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         while True:
-            yield chunk(sample_poisson_batch(self._rng, self.num_examples, self.sampling_rate), self.physical_batch_size)
+            indices = sample_poisson_batch(self._rng, self.num_examples, self.sampling_rate)
+            yield chunk(indices, self.physical_batch_size, self.chunk_multiple)
