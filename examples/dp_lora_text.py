@@ -32,6 +32,7 @@ factors only; ``--noretrack_frozen`` shows tf_dp's behaviour as is.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -45,6 +46,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
+from tf_dp.clipping import ghost_rule_for  # noqa: E402
 from tf_dp.data import load_tweets  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -118,7 +120,8 @@ def transformer_classifier(vocabulary_size: int, sequence_length: int, num_class
     attended = keras.layers.MultiHeadAttention(heads, width // heads, name="attention")(x, x)
     x = keras.layers.LayerNormalization(name="norm_1")(keras.layers.Add()([x, attended]))
     hidden = keras.layers.Dense(FLAGS.ff_dim, activation="relu", name="ff_in")(x)
-    x = keras.layers.LayerNormalization(name="norm_2")(keras.layers.Add()([x, keras.layers.Dense(width, name="ff_out")(hidden)]))
+    fed_forward = keras.layers.Dense(width, name="ff_out")(hidden)
+    x = keras.layers.LayerNormalization(name="norm_2")(keras.layers.Add()([x, fed_forward]))
     x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
     return tf_dp.DPModel(inputs, keras.layers.Dense(num_classes, name="head")(x))
 
@@ -158,6 +161,16 @@ def build_variant(variant: Variant, make_model, initial_weights: list) -> tf_dp.
     return model
 
 
+def clipping_paths(model: keras.Model) -> str:
+    """Which trainable layers tf_dp clips by a ghost rule and which by the vectorized_map fallback."""
+    trainable = {id(v) for v in model.trainable_variables}
+    ghost, fallback = [], []
+    for layer in _leaf_layers(model):
+        if any(id(v) in trainable for v in layer.trainable_variables):
+            (ghost if ghost_rule_for(layer) is not None else fallback).append(layer.name)
+    return f"ghost rules: {', '.join(ghost) or 'none'}; per-layer vectorized_map: {', '.join(fallback) or 'none'}"
+
+
 def count_params(variables) -> int:
     return int(sum(np.prod(v.shape) for v in variables))
 
@@ -187,6 +200,7 @@ def fine_tune(variant: Variant, model: tf_dp.DPModel, train, test) -> RunResult:
     params = count_params(model.trainable_variables)
     print(f"--- {variant.name}: {params} trainable parameters in {len(model.trainable_variables)} variables",
           flush=True)
+    print(f"    per-example norms by {clipping_paths(model)}", flush=True)
     clock = BatchClock()
     model.fit(*train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, callbacks=[clock],
               sampling_seed=FLAGS.seed, verbose=2)
@@ -212,29 +226,37 @@ def time_steps(models: dict[str, tf_dp.DPModel], train) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def retime(variants: list[Variant], results: list[RunResult], make_model, initial_weights: list, train) -> None:
+    """Replaces each result's ms/step by the alternating-rounds timing of a throwaway copy at
+    the same σ (the trained models and their ledgers stay untouched)."""
+    copies = {}
+    for variant, result in zip(variants, results):
+        copies[variant.name] = build_variant(variant, make_model, initial_weights)
+        compile_dp(copies[variant.name], variant.learning_rate, noise_multiplier=result.sigma)
+    timings = time_steps(copies, train)
+    for result in results:
+        result.ms_per_step = timings[result.name]
+    print(f"timing: median of {FLAGS.timing_rounds} alternating rounds of {FLAGS.timing_steps} steps, "
+          f"L = {FLAGS.batch_size}", flush=True)
+
+
 def main(argv):
     del argv
     keras.utils.set_random_seed(FLAGS.seed)
     data = load_tweets(vocabulary_size=FLAGS.vocabulary_size)
     train = random_subset(data.x_train, data.y_train, FLAGS.train_examples, FLAGS.seed)
     test = random_subset(data.x_test, data.y_test, FLAGS.test_examples, FLAGS.seed)
-    make_model = lambda: transformer_classifier(len(data.feature_names), data.x_train.shape[1], len(data.class_names))  # noqa: E731
+    make_model = functools.partial(transformer_classifier, len(data.feature_names), data.x_train.shape[1],
+                                   len(data.class_names))
     initial_weights = make_model().get_weights()
     variants = [Variant("full", False, FLAGS.learning_rate),
                 Variant(f"lora(rank={FLAGS.rank})", True, FLAGS.lora_learning_rate)]
     results = [fine_tune(v, build_variant(v, make_model, initial_weights), train, test) for v in variants]
-
-    if FLAGS.timing_rounds:  # throwaway copies at the same σ: the trained models' ledgers stay untouched
-        timing_models = {}
-        for variant, result in zip(variants, results):
-            timing_models[variant.name] = build_variant(variant, make_model, initial_weights)
-            compile_dp(timing_models[variant.name], variant.learning_rate, noise_multiplier=result.sigma)
-        for result, ms in zip(results, time_steps(timing_models, train).values()):
-            result.ms_per_step = ms
-        print(f"timing: median of {FLAGS.timing_rounds} alternating rounds of {FLAGS.timing_steps} steps, "
-              f"L = {FLAGS.batch_size}", flush=True)
+    if FLAGS.timing_rounds:
+        retime(variants, results, make_model, initial_weights, train)
     full, lora = results
-    print(f"final: {full.summary()}; {lora.summary()}; LoRA/full step time = {lora.ms_per_step / full.ms_per_step:.2f}x "
+    print(f"final: {full.summary()}; {lora.summary()}; "
+          f"LoRA/full step time = {lora.ms_per_step / full.ms_per_step:.2f}x "
           f"(delta = {FLAGS.delta:g}, {len(train[1])} train tweets, {full.steps} Poisson steps each)")
 
 

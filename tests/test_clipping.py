@@ -35,10 +35,12 @@ def embedding_model():
 
 
 def mixed_model():
-    """Ghost rules (Dense, Embedding) mixed with per-example fallbacks (LayerNorm, Conv1D)."""
+    """Ghost rules (Embedding, Conv1D, LayerNorm, Dense) mixed with a per-example fallback
+    (PReLU has trainable weights and no rule)."""
     inputs = keras.Input((6,), dtype="int32")
     hidden = keras.layers.Embedding(9, 8)(inputs)
-    hidden = keras.layers.Conv1D(4, 3, activation="relu")(hidden)
+    hidden = keras.layers.Conv1D(4, 3)(hidden)
+    hidden = keras.layers.PReLU()(hidden)
     hidden = keras.layers.LayerNormalization()(hidden)
     hidden = keras.layers.Dense(5, activation="relu")(keras.layers.Flatten()(hidden))
     return keras.Model(inputs, keras.layers.Dense(3)(hidden)), np.random.randint(0, 9, (BATCH, 6)).astype("int32")
@@ -50,6 +52,8 @@ MODELS = [dense_model, dense_sequence_model, embedding_model, mixed_model]
 @pytest.mark.parametrize("build", MODELS, ids=lambda f: f.__name__)
 def test_norms_agree_ghost_vectorized_loop(build):
     model, x = build()
+    if build is mixed_model:
+        assert any(ghost_rule_for(layer) is None for layer in model.layers if layer.trainable_weights)
     y = np.random.randint(0, 3, BATCH).astype("int32")
     mask = tf.ones(BATCH)
     loop = flat_norms(loop_per_example_gradients(model, x, y))
@@ -127,7 +131,14 @@ def conv1d_model():
     return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden))), np.random.randn(BATCH, 10, 3).astype("float32")
 
 
-@pytest.mark.parametrize("build", [conv_model, conv1d_model], ids=lambda f: f.__name__)
+def layer_norm_model():
+    inputs = keras.Input((4, 6))
+    hidden = keras.layers.LayerNormalization()(keras.layers.Dense(5)(inputs))
+    hidden = keras.layers.LayerNormalization(center=False)(keras.layers.Dense(3)(keras.layers.Flatten()(hidden)))
+    return keras.Model(inputs, hidden), np.random.randn(BATCH, 4, 6).astype("float32")
+
+
+@pytest.mark.parametrize("build", [conv_model, conv1d_model, layer_norm_model], ids=lambda f: f.__name__)
 def test_conv_ghost_rule_matches_loop(build):
     model, x = build()
     assert all(ghost_rule_for(layer) is not None for layer in model.layers if layer.trainable_weights)

@@ -128,8 +128,8 @@ def test_subclassed_dp_model_trains():
 
 
 def test_xla_step_matches_graph_step():
-    """Clipping is identical under XLA. (Philox noise streams differ between XLA and TF
-    kernels by design; the noise statistics under XLA are tested in test_optimizers.)"""
+    """Clipping is identical under XLA. (XLA's Philox kernel draws a different stream from
+    the same seed; the noise statistics under XLA are tested in test_optimizers.)"""
     x, y = data()
     graph, xla = functional(sigma=0.0, seed=9), functional(sigma=0.0, seed=9, jit_compile=True)
     xla.set_weights(graph.get_weights())

@@ -186,3 +186,27 @@ def test_dpadamw_bias_correction_uses_this_steps_sigma_w():
     m_hat, v_hat = ghat, ghat**2
     expected = before - lr * m_hat / (np.sqrt(np.maximum(v_hat - sigma_w2, 1e-9)) + 1e-7)
     np.testing.assert_allclose(weights(model)[1], expected, rtol=1e-4, atol=1e-7)
+
+
+def test_accumulated_chunks_equal_one_pass_on_the_same_batch():
+    """A logical batch processed as 3 physical chunks of 4 equals one chunk of 12 (σ = 0):
+    clipped sums accumulate, noise and the update happen once, the ledger counts one step."""
+    x = np.random.randn(12, 4).astype("float32")
+    x[5] *= 50.0
+    y = np.random.randint(0, 3, 12).astype("int32")
+    mask = np.ones(12, "float32")
+    mask[-2:] = 0.0  # padding inside the last chunk
+    results = []
+    for chunks in (1, 3):
+        keras.utils.set_random_seed(0)
+        model = small_model()
+        model.compile(optimizer=tf_dp.DPSGD(0.1, l2_norm_clip=0.3, noise_multiplier=0.0), loss=sparse_ce)
+        model._prebuild(x, y)
+        batch = {"x": x.reshape(chunks, -1, 4), "y": y.reshape(chunks, -1), "mask": mask.reshape(chunks, -1),
+                 "expected_batch_size": np.full(chunks, 10.0, "float32")}
+        tf.function(model.train_step)(tf.nest.map_structure(tf.constant, batch))
+        results.append((weights(model), int(model.privacy_ledger.steps.numpy()), int(model.optimizer.iterations.numpy())))
+    (single, steps_1, iters_1), (accumulated, steps_3, iters_3) = results
+    for a, b in zip(single, accumulated):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert steps_1 == steps_3 == 1 and iters_1 == iters_3 == 1

@@ -4,8 +4,9 @@ Each step draws N(0, stddev² I) for every coordinate of the model from Philox w
 run's 64-bit key and a counter unique to (step, variable). Keyed draws make a run
 reproducible from its seed, keep two steps' noise independent (never a reused counter),
 and survive checkpoint/resume (the counter comes from the saved step count). Philox under XLA on CPU was measured 30x faster than
-``keras.random.normal``. XLA and TF kernels lay out Philox counters differently, so a run
-with ``jit_compile=True`` draws a different (equally valid) stream than one without.
+``keras.random.normal``. XLA's Philox kernel lays out counters differently from TF's, so
+a run with ``jit_compile=True`` draws a different (equally distributed) stream than one
+without; each is reproducible from its seed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,29 @@ import secrets
 from typing import Sequence
 
 import tensorflow as tf
+
+
+def new_seed() -> int:
+    """A fresh 63-bit seed from the OS CSPRNG (used when the user passes ``seed=None``)."""
+    return secrets.randbits(63)
+
+
+def secure_key() -> tf.Tensor:
+    """A fresh Philox key from the OS CSPRNG at every call of the compiled step
+    (``secure_mode``): the noise cannot be reproduced from any stored seed. Not XLA-compilable."""
+    return tf.reshape(tf.py_function(lambda: new_seed(), [], tf.int64), [])
+
+
+def _philox_normal(shape, key: tf.Tensor, block: tf.Tensor, dtype) -> tf.Tensor:
+    """N(0, 1) draws from Philox keyed by the seed pair (key, block).
+
+    TF derives the Philox key and counter from the pair by hashing it, so distinct
+    (key, block) pairs give independent streams; ``block`` is unique per (step, variable,
+    replica), so no two draws of a run share one. (Measured here for 670k draws: 8.6 ms
+    in graph mode, 19.8 ms under XLA; the raw key/counter op took 12 ms and 97 ms.)
+    """
+    seed = tf.stack([tf.cast(key, tf.int64), tf.cast(block, tf.int64)])
+    return tf.random.stateless_normal(shape, seed=seed, dtype=dtype, alg="philox")
 
 
 def new_seed() -> int:

@@ -1,0 +1,336 @@
+"""ms/step of tf_dp against peer DP libraries, same model, same batch, same run.
+
+Each peer runs in its own interpreter (tensorflow-privacy and Opacus in the venvs made by
+benchmarks/peers_setup.sh, tf_dp in the interpreter running this script). Every worker
+builds its model, warms up (traces/compiles) and then waits; the driver asks the workers
+in turn, round after round, to time `--steps` steps, rotating the order each round so that
+no worker always runs first or last on a shared machine. Only one worker runs at a time.
+The figure reported per worker is the median over rounds; the ratio to tf_dp is the median
+of per-round ratios.
+
+    bash benchmarks/peers_setup.sh                         # once: /tmp/venv_tfp, /tmp/venv_opacus
+    python benchmarks/peers.py                             # MLP and CNN, batch 256
+    python benchmarks/peers.py --models=mlp --rounds=9 --cpus=0,1
+
+DP settings everywhere: per-example clipping to L2 norm 1.0, Gaussian noise σ = 1.0
+(std σ·C on the summed clipped gradients), SGD lr 0.1, batch 256, sparse categorical
+cross-entropy from logits, random inputs of MNIST shape. A worker that fails to start
+is recorded with its error message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["mlp", "cnn"], "mlp (784-512-512-10) and/or cnn (tensorflow-privacy tutorial CNN).")
+flags.DEFINE_list("workers", None, "Workers to run (default: all). See WORKERS.")
+flags.DEFINE_integer("batch_size", 256, "Batch size.")
+flags.DEFINE_integer("rounds", 7, "Alternating rounds.")
+flags.DEFINE_integer("steps", 30, "Steps per timing.")
+flags.DEFINE_integer("warmup", 5, "Warm-up steps (tracing/compilation) before any timing.")
+flags.DEFINE_string("tfp_python", "/tmp/venv_tfp/bin/python", "Interpreter of the tensorflow-privacy venv.")
+flags.DEFINE_string("opacus_python", "/tmp/venv_opacus/bin/python", "Interpreter of the Opacus venv.")
+flags.DEFINE_string("cpus", "", "If set, run every worker under `taskset -c CPUS`.")
+flags.DEFINE_string("output", "benchmarks/results/peers/peers.json", "Where to write the JSON results.")
+flags.DEFINE_string("worker", None, "(internal) run as this worker.")
+flags.DEFINE_string("model", "mlp", "(internal) the worker's model.")
+
+L2_NORM_CLIP = 1.0
+NOISE_MULTIPLIER = 1.0
+LEARNING_RATE = 0.1
+
+# name -> (interpreter flag, description). "tf_dp" is the reference of the ratios.
+WORKERS = {
+    "tf_dp": ("main", "tf_dp.DPModel + tf_dp.DPSGD, ghost clipping (default), no XLA (default on CPU)"),
+    "tf_dp_xla": ("main", "tf_dp.DPModel + tf_dp.DPSGD, ghost clipping, jit_compile=True"),
+    "keras_plain": ("main", "plain Keras 3 SGD step (non-private reference)"),
+    "tfp_dpsgd": ("tfp", "tensorflow-privacy DPKerasSGDOptimizer, num_microbatches=batch (vectorized)"),
+    "tfp_fast": ("tfp", "tensorflow-privacy DPSequential, num_microbatches=None, default layer registry "
+                        "(fast/ghost clipping where all layers are registered), use_xla=True (its default)"),
+    "tfp_fast_noxla": ("tfp", "as tfp_fast with use_xla=False"),
+    "tfp_plain": ("tfp", "plain tf.keras 2.15 SGD step (non-private reference)"),
+    "opacus_hooks": ("opacus", "Opacus PrivacyEngine.make_private, grad_sample_mode='hooks' (default)"),
+    "opacus_ghost": ("opacus", "Opacus PrivacyEngine.make_private, grad_sample_mode='ghost'"),
+    "torch_plain": ("opacus", "plain PyTorch SGD step (non-private reference)"),
+}
+DEFAULT_WORKERS = ["tf_dp", "keras_plain", "tfp_dpsgd", "tfp_fast", "tfp_fast_noxla", "tfp_plain", "opacus_hooks", "opacus_ghost",
+                   "torch_plain"]
+
+
+# ----------------------------------------------------------------------------- workers
+# A worker builds `step()` (one synchronous training step on a fixed batch), runs the
+# warm-up, prints "READY <json>" and then answers "run N" with "<json>" until "quit".
+
+def _data(batch, channels_last=True):
+    import numpy as np
+    rng = np.random.default_rng(0)
+    shape = (batch, 28, 28, 1) if channels_last else (batch, 1, 28, 28)
+    return rng.random(shape, dtype=np.float32), rng.integers(0, 10, batch)
+
+
+def _keras_layers(keras, model):
+    L = keras.layers
+    if model == "mlp":
+        return [L.Flatten(), L.Dense(512, activation="relu"), L.Dense(512, activation="relu"), L.Dense(10)]
+    return [L.Conv2D(16, 8, strides=2, padding="same", activation="relu"), L.MaxPooling2D(2, 1),
+            L.Conv2D(32, 4, strides=2, padding="valid", activation="relu"), L.MaxPooling2D(2, 1),
+            L.Flatten(), L.Dense(32, activation="relu"), L.Dense(10)]
+
+
+def _main_worker(name, model, batch):
+    import keras
+    import tensorflow as tf
+    import tf_dp
+    x, y = _data(batch)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    inputs = keras.Input((28, 28, 1))
+    out = inputs
+    for layer in _keras_layers(keras, model):
+        out = layer(out)
+    if name == "keras_plain":
+        m = keras.Model(inputs, out)
+        m.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=loss, jit_compile=False)
+    else:
+        m = tf_dp.DPModel(inputs, out)
+        m.compile(optimizer=tf_dp.DPSGD(LEARNING_RATE, l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER,
+                                        seed=0),
+                  loss=loss, jit_compile=(name == "tf_dp_xla"), clipping_engine="ghost")
+    info = {"tensorflow": tf.__version__, "keras": keras.__version__, "tf_dp": getattr(tf_dp, "__version__", "?")}
+    return (lambda: m.train_on_batch(x, y)), info
+
+
+def _tfp_worker(name, model, batch):
+    import tensorflow as tf
+    import tensorflow_privacy
+    keras = tf.keras
+    x, y = _data(batch)
+    layers = _keras_layers(keras, model)
+    info = {"tensorflow": tf.__version__, "keras": keras.__version__ if hasattr(keras, "__version__") else "?",
+            "tensorflow_privacy": tensorflow_privacy.__version__}
+    if name.startswith("tfp_fast"):
+        from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
+        from tensorflow_privacy.privacy.keras_models import dp_keras_model
+        m = dp_keras_model.DPSequential(
+            l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER, num_microbatches=None,
+            use_xla=(name == "tfp_fast"), layer_registry=layer_registry.make_default_layer_registry(), layers=[keras.Input((28, 28, 1))] + layers)
+        m.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        # False when a trainable layer is not in the registry (0.9.0 registers Dense and
+        # Embedding only, so the CNN falls back to vectorized per-example gradients).
+        info["fast_clipping"] = bool(m._enable_fast_peg_computation)
+    elif name == "tfp_dpsgd":
+        from tensorflow_privacy import DPKerasSGDOptimizer
+        m = keras.Sequential([keras.Input((28, 28, 1))] + layers)
+        opt = DPKerasSGDOptimizer(l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER,
+                                  num_microbatches=batch, learning_rate=LEARNING_RATE)
+        m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=tf.losses.Reduction.NONE))
+    else:
+        m = keras.Sequential([keras.Input((28, 28, 1))] + layers)
+        m.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return (lambda: m.train_on_batch(x, y)), info
+
+
+def _torch_model(nn, model):
+    if model == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                             nn.Linear(512, 10))
+    # Keras "same" with kernel 8, stride 2 on 28x28 pads 3 on each side (output 14x14).
+    return nn.Sequential(nn.Conv2d(1, 16, 8, stride=2, padding=3), nn.ReLU(), nn.MaxPool2d(2, 1),
+                         nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(), nn.MaxPool2d(2, 1),
+                         nn.Flatten(), nn.Linear(32 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def _opacus_worker(name, model, batch):
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+    xn, yn = _data(batch, channels_last=False)
+    x, y = torch.from_numpy(xn), torch.from_numpy(yn).long()
+    net = _torch_model(nn, model)
+    opt = torch.optim.SGD(net.parameters(), lr=LEARNING_RATE)
+    criterion = nn.CrossEntropyLoss()
+    info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    if name != "torch_plain":
+        import opacus
+        from opacus import PrivacyEngine
+        info["opacus"] = opacus.__version__
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+        engine = PrivacyEngine()
+        mode = name.split("_", 1)[1]
+        kwargs = dict(module=net, optimizer=opt, data_loader=loader, noise_multiplier=NOISE_MULTIPLIER,
+                      max_grad_norm=L2_NORM_CLIP, grad_sample_mode=mode)
+        if mode == "ghost":
+            net, opt, criterion, loader = engine.make_private(criterion=criterion, **kwargs)
+        else:
+            net, opt, loader = engine.make_private(**kwargs)
+
+    def step():
+        opt.zero_grad()
+        loss = criterion(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step, info
+
+
+def run_worker(name, model, batch, warmup):
+    kind = WORKERS[name][0]
+    build = {"main": _main_worker, "tfp": _tfp_worker, "opacus": _opacus_worker}[kind]
+    try:
+        step, info = build(name, model, batch)
+        for _ in range(warmup):
+            step()
+    except Exception as e:  # recorded by the driver as this worker's result
+        print("FAILED " + json.dumps({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}),
+              flush=True)
+        return
+    print("READY " + json.dumps(info), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        n = int(cmd[1])
+        start = time.perf_counter()
+        for _ in range(n):
+            step()
+        print(json.dumps({"ms": (time.perf_counter() - start) / n * 1000}), flush=True)
+
+
+# ----------------------------------------------------------------------------- driver
+class Worker:
+    def __init__(self, name, model):
+        self.name, self.model = name, model
+        kind = WORKERS[name][0]
+        python = {"main": sys.executable, "tfp": FLAGS.tfp_python, "opacus": FLAGS.opacus_python}[kind]
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
+            p for p in [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        os.environ.get("PYTHONPATH", "")] if p))
+        if kind == "tfp":
+            env["TF_USE_LEGACY_KERAS"] = "1"
+        cmd = [python, os.path.abspath(__file__), f"--worker={name}", f"--model={model}",
+               f"--batch_size={FLAGS.batch_size}", f"--warmup={FLAGS.warmup}"]
+        if FLAGS.cpus:
+            cmd = ["taskset", "-c", FLAGS.cpus] + cmd
+        self.error, self.info, self.times = None, {}, []
+        if not os.path.exists(python):
+            self.error = f"interpreter {python} not found (run benchmarks/peers_setup.sh)"
+            self.proc = None
+            return
+        self.stderr = open(os.path.join(_results_dir(), f"{name}_{model}.stderr.log"), "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                     text=True, env=env)
+        self._ready()
+
+    def _ready(self):
+        for line in self.proc.stdout:
+            if line.startswith("READY "):
+                self.info = json.loads(line[6:])
+                return
+            if line.startswith("FAILED "):
+                self.error = json.loads(line[7:])["error"]
+                self.close()
+                return
+        self.proc.wait()
+        self.stderr.flush()
+        with open(self.stderr.name) as f:
+            tail = f.read().strip().splitlines()[-5:]
+        self.error = f"worker exited with code {self.proc.returncode}: " + " | ".join(tail)
+        self.proc = None
+
+    def run(self, steps):
+        self.proc.stdin.write(f"run {steps}\n")
+        self.proc.stdin.flush()
+        ms = json.loads(self.proc.stdout.readline())["ms"]
+        self.times.append(ms)
+        return ms
+
+    def close(self):
+        if self.proc is not None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                pass
+            self.proc.wait()
+            self.proc = None
+
+
+def _results_dir():
+    d = os.path.dirname(FLAGS.output) or "."
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def measure(model, names):
+    workers = []
+    for name in names:  # started one at a time so that warm-ups do not overlap
+        print(f"[{model}] starting {name} ...", flush=True)
+        w = Worker(name, model)
+        print(f"[{model}] {name}: {'FAILED ' + w.error if w.error else 'ready ' + json.dumps(w.info)}", flush=True)
+        workers.append(w)
+    live = [w for w in workers if w.error is None]
+    for r in range(FLAGS.rounds):
+        order = live[r % len(live):] + live[:r % len(live)] if live else []
+        for w in order:
+            w.run(FLAGS.steps)
+        print(f"[{model}] round {r + 1}/{FLAGS.rounds}: " + ", ".join(f"{w.name} {w.times[-1]:.1f}" for w in live),
+              flush=True)
+    for w in workers:
+        w.close()
+    ref = next((w for w in live if w.name == "tf_dp"), None)
+    rows = []
+    for w in workers:
+        row = {"model": model, "worker": w.name, "description": WORKERS[w.name][1], "batch_size": FLAGS.batch_size,
+               "versions": w.info, "error": w.error}
+        if w.error is None:
+            row["ms_per_step"] = statistics.median(w.times)
+            row["ms_all_rounds"] = w.times
+            if ref is not None:
+                row["ratio_to_tf_dp"] = statistics.median(a / b for a, b in zip(w.times, ref.times))
+        rows.append(row)
+    return rows
+
+
+def main(argv):
+    del argv
+    if FLAGS.worker:
+        run_worker(FLAGS.worker, FLAGS.model, FLAGS.batch_size, FLAGS.warmup)
+        return
+    names = FLAGS.workers or DEFAULT_WORKERS
+    unknown = set(names) - set(WORKERS)
+    if unknown:
+        raise app.UsageError(f"unknown workers {sorted(unknown)}; known: {sorted(WORKERS)}")
+    results = [row for model in FLAGS.models for row in measure(model, names)]
+    print(f"\nbatch {FLAGS.batch_size}, clip {L2_NORM_CLIP}, sigma {NOISE_MULTIPLIER}, {os.cpu_count()} cores"
+          f"{', taskset -c ' + FLAGS.cpus if FLAGS.cpus else ''}; median of {FLAGS.rounds} alternating rounds of "
+          f"{FLAGS.steps} steps; ratio = median of per-round (worker / tf_dp) ms\n")
+    print("| model | worker | ms/step | ratio to tf_dp | versions / error |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        if r["error"]:
+            print(f"| {r['model']} | {r['worker']} | failed | - | {r['error'][:300]} |")
+        else:
+            ratio = f"{r['ratio_to_tf_dp']:.2f}x" if "ratio_to_tf_dp" in r else "-"
+            vers = ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+            print(f"| {r['model']} | {r['worker']} | {r['ms_per_step']:.1f} | {ratio} | {vers} |")
+    with open(FLAGS.output, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "cpu_count": os.cpu_count(), "cpus": FLAGS.cpus,
+                   "rounds": FLAGS.rounds, "steps": FLAGS.steps, "l2_norm_clip": L2_NORM_CLIP,
+                   "noise_multiplier": NOISE_MULTIPLIER, "results": results}, f, indent=2)
+    print(f"\nwrote {FLAGS.output}")
+
+
+if __name__ == "__main__":
+    app.run(main)
