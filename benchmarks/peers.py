@@ -35,7 +35,10 @@ flags.DEFINE_list("models", ["mlp", "cnn"], "mlp (784-512-512-10) and/or cnn (te
 flags.DEFINE_list("workers", None, "Workers to run (default: all). See WORKERS.")
 flags.DEFINE_integer("batch_size", 256, "Batch size.")
 flags.DEFINE_integer("rounds", 7, "Alternating rounds.")
-flags.DEFINE_integer("steps", 30, "Steps per timing.")
+flags.DEFINE_integer("steps", 30, "Steps per timing (at most; fewer for slow workers, see --timing_seconds).")
+flags.DEFINE_float("timing_seconds", 1.5, "A worker whose warm step is slow times max(2, this / step time) steps "
+                   "per round instead of --steps.")
+flags.DEFINE_integer("threads", 0, "If > 0, intra-op threads of TF and torch (inter-op 1 then). 0: defaults.")
 flags.DEFINE_integer("warmup", 5, "Warm-up steps (tracing/compilation) before any timing.")
 flags.DEFINE_string("tfp_python", "/tmp/venv_tfp/bin/python", "Interpreter of the tensorflow-privacy venv.")
 flags.DEFINE_string("opacus_python", "/tmp/venv_opacus/bin/python", "Interpreter of the Opacus venv.")
@@ -53,7 +56,9 @@ WORKERS = {
     "tf_dp": ("main", "tf_dp.DPModel + tf_dp.DPSGD, ghost clipping (default), no XLA (default on CPU)"),
     "tf_dp_xla": ("main", "tf_dp.DPModel + tf_dp.DPSGD, ghost clipping, jit_compile=True"),
     "keras_plain": ("main", "plain Keras 3 SGD step (non-private reference)"),
-    "tfp_dpsgd": ("tfp", "tensorflow-privacy DPKerasSGDOptimizer, num_microbatches=batch (vectorized)"),
+    "tfp_dpsgd": ("tfp", "tensorflow-privacy DPKerasSGDOptimizer, num_microbatches=batch (pfor jacobian, "
+                         "then a while_loop over microbatches through its DP query)"),
+    "tfp_vec": ("tfp", "tensorflow-privacy VectorizedDPKerasSGDOptimizer, num_microbatches=batch"),
     "tfp_fast": ("tfp", "tensorflow-privacy DPSequential, num_microbatches=None, default layer registry "
                         "(fast/ghost clipping where all layers are registered), use_xla=True (its default)"),
     "tfp_fast_noxla": ("tfp", "as tfp_fast with use_xla=False"),
@@ -62,7 +67,7 @@ WORKERS = {
     "opacus_ghost": ("opacus", "Opacus PrivacyEngine.make_private, grad_sample_mode='ghost'"),
     "torch_plain": ("opacus", "plain PyTorch SGD step (non-private reference)"),
 }
-DEFAULT_WORKERS = ["tf_dp", "keras_plain", "tfp_dpsgd", "tfp_fast", "tfp_fast_noxla", "tfp_plain", "opacus_hooks", "opacus_ghost",
+DEFAULT_WORKERS = ["tf_dp", "keras_plain", "tfp_dpsgd", "tfp_vec", "tfp_fast", "tfp_fast_noxla", "tfp_plain", "opacus_hooks", "opacus_ghost",
                    "torch_plain"]
 
 
@@ -86,9 +91,16 @@ def _keras_layers(keras, model):
             L.Flatten(), L.Dense(32, activation="relu"), L.Dense(10)]
 
 
+def _tf_threads(tf):
+    if FLAGS.threads > 0:
+        tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
 def _main_worker(name, model, batch):
     import keras
     import tensorflow as tf
+    _tf_threads(tf)
     import tf_dp
     x, y = _data(batch)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -110,11 +122,13 @@ def _main_worker(name, model, batch):
 
 def _tfp_worker(name, model, batch):
     import tensorflow as tf
+    _tf_threads(tf)
     import tensorflow_privacy
     keras = tf.keras
     x, y = _data(batch)
     layers = _keras_layers(keras, model)
-    info = {"tensorflow": tf.__version__, "keras": keras.__version__ if hasattr(keras, "__version__") else "?",
+    from importlib import metadata
+    info = {"tensorflow": tf.__version__, "keras": metadata.version("keras"),
             "tensorflow_privacy": tensorflow_privacy.__version__}
     if name.startswith("tfp_fast"):
         from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
@@ -127,10 +141,10 @@ def _tfp_worker(name, model, batch):
         # False when a trainable layer is not in the registry (0.9.0 registers Dense and
         # Embedding only, so the CNN falls back to vectorized per-example gradients).
         info["fast_clipping"] = bool(m._enable_fast_peg_computation)
-    elif name == "tfp_dpsgd":
-        from tensorflow_privacy import DPKerasSGDOptimizer
+    elif name in ("tfp_dpsgd", "tfp_vec"):
+        from tensorflow_privacy import DPKerasSGDOptimizer, VectorizedDPKerasSGDOptimizer
         m = keras.Sequential([keras.Input((28, 28, 1))] + layers)
-        opt = DPKerasSGDOptimizer(l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER,
+        opt = (DPKerasSGDOptimizer if name == "tfp_dpsgd" else VectorizedDPKerasSGDOptimizer)(l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER,
                                   num_microbatches=batch, learning_rate=LEARNING_RATE)
         m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True, reduction=tf.losses.Reduction.NONE))
@@ -155,6 +169,8 @@ def _opacus_worker(name, model, batch):
     import torch
     from torch import nn
     torch.manual_seed(0)
+    if FLAGS.threads > 0:
+        torch.set_num_threads(FLAGS.threads)
     xn, yn = _data(batch, channels_last=False)
     x, y = torch.from_numpy(xn), torch.from_numpy(yn).long()
     net = _torch_model(nn, model)
@@ -190,8 +206,12 @@ def run_worker(name, model, batch, warmup):
     build = {"main": _main_worker, "tfp": _tfp_worker, "opacus": _opacus_worker}[kind]
     try:
         step, info = build(name, model, batch)
-        for _ in range(warmup):
+        for i in range(warmup):  # a slow worker (> 1 s/step) stops warming up after 2 steps
+            start = time.perf_counter()
             step()
+            info["warm_ms"] = (time.perf_counter() - start) * 1000
+            if i >= 1 and info["warm_ms"] > 1000:
+                break
     except Exception as e:  # recorded by the driver as this worker's result
         print("FAILED " + json.dumps({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}),
               flush=True)
@@ -220,7 +240,7 @@ class Worker:
         if kind == "tfp":
             env["TF_USE_LEGACY_KERAS"] = "1"
         cmd = [python, os.path.abspath(__file__), f"--worker={name}", f"--model={model}",
-               f"--batch_size={FLAGS.batch_size}", f"--warmup={FLAGS.warmup}"]
+               f"--batch_size={FLAGS.batch_size}", f"--warmup={FLAGS.warmup}", f"--threads={FLAGS.threads}"]
         if FLAGS.cpus:
             cmd = ["taskset", "-c", FLAGS.cpus] + cmd
         self.error, self.info, self.times = None, {}, []
@@ -249,8 +269,13 @@ class Worker:
         self.error = f"worker exited with code {self.proc.returncode}: " + " | ".join(tail)
         self.proc = None
 
-    def run(self, steps):
-        self.proc.stdin.write(f"run {steps}\n")
+    @property
+    def steps(self):
+        warm = self.info.get("warm_ms") or 1.0
+        return max(2, min(FLAGS.steps, round(FLAGS.timing_seconds * 1000 / warm)))
+
+    def run(self):
+        self.proc.stdin.write(f"run {self.steps}\n")
         self.proc.stdin.flush()
         ms = json.loads(self.proc.stdout.readline())["ms"]
         self.times.append(ms)
@@ -284,7 +309,7 @@ def measure(model, names):
     for r in range(FLAGS.rounds):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
         for w in order:
-            w.run(FLAGS.steps)
+            w.run()
         print(f"[{model}] round {r + 1}/{FLAGS.rounds}: " + ", ".join(f"{w.name} {w.times[-1]:.1f}" for w in live),
               flush=True)
     for w in workers:
@@ -297,6 +322,7 @@ def measure(model, names):
         if w.error is None:
             row["ms_per_step"] = statistics.median(w.times)
             row["ms_all_rounds"] = w.times
+            row["steps_per_round"] = w.steps
             if ref is not None:
                 row["ratio_to_tf_dp"] = statistics.median(a / b for a, b in zip(w.times, ref.times))
         rows.append(row)
@@ -314,8 +340,10 @@ def main(argv):
         raise app.UsageError(f"unknown workers {sorted(unknown)}; known: {sorted(WORKERS)}")
     results = [row for model in FLAGS.models for row in measure(model, names)]
     print(f"\nbatch {FLAGS.batch_size}, clip {L2_NORM_CLIP}, sigma {NOISE_MULTIPLIER}, {os.cpu_count()} cores"
-          f"{', taskset -c ' + FLAGS.cpus if FLAGS.cpus else ''}; median of {FLAGS.rounds} alternating rounds of "
-          f"{FLAGS.steps} steps; ratio = median of per-round (worker / tf_dp) ms\n")
+          f"{', taskset -c ' + FLAGS.cpus if FLAGS.cpus else ''}"
+          f"{', ' + str(FLAGS.threads) + ' intra-op thread(s)' if FLAGS.threads else ', default threads'}; "
+          f"median of {FLAGS.rounds} alternating rounds of up to {FLAGS.steps} steps; "
+          f"ratio = median of per-round (worker / tf_dp) ms\n")
     print("| model | worker | ms/step | ratio to tf_dp | versions / error |")
     print("|---|---|---|---|---|")
     for r in results:
@@ -327,7 +355,7 @@ def main(argv):
             print(f"| {r['model']} | {r['worker']} | {r['ms_per_step']:.1f} | {ratio} | {vers} |")
     with open(FLAGS.output, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "cpu_count": os.cpu_count(), "cpus": FLAGS.cpus,
-                   "rounds": FLAGS.rounds, "steps": FLAGS.steps, "l2_norm_clip": L2_NORM_CLIP,
+                   "threads": FLAGS.threads, "rounds": FLAGS.rounds, "steps": FLAGS.steps, "l2_norm_clip": L2_NORM_CLIP,
                    "noise_multiplier": NOISE_MULTIPLIER, "results": results}, f, indent=2)
     print(f"\nwrote {FLAGS.output}")
 
