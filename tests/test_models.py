@@ -249,3 +249,17 @@ def test_changed_sigma_between_fits_is_composed():
     assert [(p.noise_multiplier, p.sampling_rate, p.steps) for p in phases] == [(1.0, 0.1, 10), (2.0, 0.2, 5)]
     alone = compute_epsilon(N, 20, 1.0, steps=10)
     assert model.get_epsilon() > alone
+
+
+def test_large_delta_warns_and_budget_stop_saves_the_model(tmp_path):
+    x, y = data()
+    model = functional(sigma=1.0, delta=0.01)  # 0.01 >= 1/200
+    budget = compute_epsilon(N, 20, model.optimizer.noise_multiplier, steps=12, delta=0.01)
+    path = str(tmp_path / "stopped.keras")
+    with pytest.warns(UserWarning, match="delta"):
+        history = model.fit(x, y, batch_size=20, epochs=3, verbose=0,
+                            callbacks=[tf_dp.PrivacyBudget(budget, save_path=path)])
+    assert int(model.privacy_ledger.steps.numpy()) == 12
+    assert keras.models.load_model(path, compile=False).privacy_ledger.steps.numpy() == 12
+    assert "noise_std" in history.history
+    assert history.history["noise_std"][0] == pytest.approx(model.optimizer.noise_multiplier * 1.0 / 20, rel=1e-6)

@@ -256,7 +256,7 @@ def plot_accuracy_vs_epsilon(
             ax.axhline(float(baseline["accuracy"]), linestyle="--", linewidth=1, color=color,
                        label=f"{name} (non-private)")
     if log_x and any(_is_private(r) and float(r["epsilon"]) > 0 for r in results):
-        ax.set_xscale("log")
+        _log_axis_at(ax, sorted({float(r["epsilon"]) for r in results if _is_private(r) and float(r["epsilon"]) > 0}))
     ax.set_xlabel("ε")
     ax.set_ylabel(ylabel)
     return _finish(figure, ax, created, title, path)
@@ -271,6 +271,16 @@ def _accuracy_line(ax: "Axes", name: str, points: Sequence[Mapping]) -> str:
         std = np.array([float(r.get("std") or 0.0) for r in points])
         ax.fill_between(epsilons, accuracies - std, accuracies + std, color=line.get_color(), alpha=0.2, linewidth=0)
     return line.get_color()
+
+
+def _log_axis_at(ax: "Axes", ticks: Sequence[float]) -> None:
+    """Log-scaled x axis labelled with plain numbers at ``ticks`` (the ε values)."""
+    from matplotlib.ticker import FixedLocator, NullLocator, StrMethodFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(list(ticks)))
+    ax.xaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
+    ax.xaxis.set_minor_locator(NullLocator())
 
 
 def pareto_front(results: Iterable[Mapping]) -> list[Mapping]:

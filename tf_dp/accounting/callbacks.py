@@ -23,6 +23,11 @@ class PrivacyReport(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs["epsilon"] = self.model.get_epsilon()
+            optimizer = self.model.optimizer
+            logs["noise_std"] = float(optimizer._averaged_noise_stddev.numpy())  # σ_w = σC/L
+            attenuation = getattr(optimizer, "attenuation", None)
+            if attenuation is not None:  # FIBER: noise std left in the filtered gradient
+                logs["filtered_noise_std"] = float(attenuation**0.5 * logs["noise_std"])
 
 
 class PrivacyBudget(keras.callbacks.Callback):
@@ -32,9 +37,11 @@ class PrivacyBudget(keras.callbacks.Callback):
     exceed the budget; if so it stops, so the reported ε never exceeds ``max_epsilon``.
     """
 
-    def __init__(self, max_epsilon: float):
+    def __init__(self, max_epsilon: float, save_path: str | None = None):
+        """``save_path``: where to ``model.save`` when the budget stops training."""
         super().__init__()
         self.max_epsilon = float(max_epsilon)
+        self.save_path = save_path
         self._allowed_steps = None
 
     def on_train_begin(self, logs=None):
@@ -56,6 +63,12 @@ class PrivacyBudget(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._allowed_steps is not None and self._steps() >= self._allowed_steps:
             self.model.stop_training = True
+
+    def on_train_end(self, logs=None):
+        if self.save_path and self._allowed_steps is not None and self._steps() >= self._allowed_steps:
+            self.model.save(self.save_path)
+            print(f"tf_dp: privacy budget ε = {self.max_epsilon} reached (ε = {self.model.get_epsilon():.4f}); "
+                  f"training stopped, model saved to {self.save_path}.")
 
     def _steps(self) -> int:
         return int(self.model.privacy_ledger.steps.numpy())

@@ -221,6 +221,9 @@ class DPModelMixin:
         if batch_size is None:
             raise ValueError("`batch_size` (the expected Poisson batch size L) is required for DP fit.")
         batch_size = _checks.batch_size_for(num_examples, batch_size)
+        if self._dp["delta"] >= 1 / num_examples:
+            warnings.warn(f"tf_dp: delta = {self._dp['delta']:g} >= 1/N = {1 / num_examples:.3g}: a mechanism that "
+                          "publishes one random example outright meets such a delta. Use delta <= 1/N.", stacklevel=2)
         steps = steps_per_epoch or math.ceil(num_examples / batch_size)
         # Privacy callbacks go first so that user callbacks (TensorBoard, CSVLogger) see ε in the logs.
         callbacks = self._privacy_callbacks(num_examples, batch_size, steps * (epochs - initial_epoch)) + callbacks
@@ -307,7 +310,7 @@ class DPModelMixin:
         self.optimizer.noise_multiplier = float(np.nextafter(np.float32(sigma), np.float32(np.inf)))  # float32 ≥ σ
         print(f"tf_dp: noise_multiplier calibrated to {sigma:.4f} for ε ≤ {target} at δ = {self._dp['delta']:g} "
               f"over {planned_steps} steps ({self._dp['accountant'].upper()}).")
-        return [PrivacyReport(), PrivacyBudget(target)]
+        return [PrivacyReport(), PrivacyBudget(target, save_path=self._dp.get("budget_save_path"))]
 
     def _prior_event(self):
         return self.privacy_ledger.event() if int(self.privacy_ledger.steps.numpy()) else None
