@@ -207,6 +207,7 @@ class DPModelMixin:
         mechanism), with a warning.
         """
         self._require_dp_compiled()
+        self._refuse_multi_worker()
         for unsupported in ("shuffle", "class_weight", "sample_weight"):
             if kwargs.get(unsupported) not in (None, True) or (unsupported != "shuffle" and unsupported in kwargs):
                 raise ValueError(f"`{unsupported}` is not supported by DP fit (Poisson sampling replaces it).")
@@ -269,6 +270,15 @@ class DPModelMixin:
             self._prebuild(x, y)
         self._build_optimizer()
         return super().train_on_batch(x, y, return_dict=return_dict)
+
+    def _refuse_multi_worker(self):
+        """Several workers would each draw (or shard) their own Poisson batch: one global
+        step would then read more than one batch, which the accountant does not know."""
+        if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            raise NotImplementedError(
+                "tf_dp does not yet run under MultiWorkerMirroredStrategy: workers would sample or shard their "
+                "own Poisson batches, breaking the one-batch-per-step accounting. Use MirroredStrategy on one host."
+            )
 
     def _per_example_extras(self, num_examples: int) -> dict:
         """Per-example arrays the Poisson stream carries besides x and y (none for DP-SGD)."""
