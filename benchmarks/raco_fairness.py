@@ -360,6 +360,41 @@ def apply_quick():
     FLAGS.timing_steps = 10
 
 
+def write_outputs(path_stem: str, started: float, cpu_started: float, sizes, plans, summary, runs, timings,
+                  epsilon_keys, complete: bool) -> str:
+    """Markdown and JSON of everything so far (rewritten after every group: a crash keeps the results)."""
+    elapsed, cpu = time.time() - started, time.process_time() - cpu_started
+    status = "" if complete else " — PARTIAL (run in progress or interrupted)"
+    lines = [f"# RaCO-DP fairness benchmark{' (quick)' if FLAGS.quick else ''}{status}", "",
+             f"{time.strftime('%Y-%m-%d')}, {FLAGS.threads} TF thread(s), {elapsed / 60:.1f} min wall, "
+             f"{cpu / 60:.1f} min CPU (this process). Demographic parity (2 groups); test accuracy / test DP gap "
+             f"of hard predictions, mean±std over {FLAGS.seeds} seed(s). δ = {FLAGS.delta:g}, "
+             f"C = {FLAGS.l2_norm_clip:g}, max_epochs = {FLAGS.max_epochs}.", "",
+             "## Privacy settings", "", *settings_table(plans, sizes), "",
+             "## Accuracy / gap", "", *results_table(summary, epsilon_keys), "",
+             "## Step time (RaCO-DP vs plain tf_dp.DPModel)", "", *timing_table(timings), ""]
+    markdown = "\n".join(lines)
+    with open(path_stem + ".md", "w") as f:
+        f.write(markdown)
+    json_safe = lambda v: None if isinstance(v, float) and math.isinf(v) else v  # noqa: E731
+    payload = {
+        "date": time.strftime("%Y-%m-%d"), "complete": complete, "elapsed_seconds": elapsed, "cpu_seconds": cpu,
+        "threads": FLAGS.threads,
+        "flags": {f: json_safe(getattr(FLAGS, f)) for f in (
+            "quick", "datasets", "models", "epsilons", "gammas", "penalties", "seeds", "max_epochs", "delta",
+            "noise_multiplier", "histogram_noise", "small_epsilon_noise_factor", "nonprivate_histogram_noise",
+            "l2_norm_clip", "learning_rate", "parkinsons_learning_rate", "dual_budget", "max_dual_learning_rate",
+            "temperature", "timing_models", "timing_modes", "timing_rounds", "timing_steps")},
+        "batch_sizes": BATCH_SIZES, "sensitive_attributes": SENSITIVE, "sizes": sizes,
+        "plans": {d: {k: {f: json_safe(v) for f, v in p.items()} for k, p in by.items()} for d, by in plans.items()},
+        "summary": [{k: json_safe(v) for k, v in s.items()} for s in summary],
+        "runs": [{k: json_safe(v) for k, v in r.items()} for r in runs], "step_time": timings,
+    }
+    with open(path_stem + ".json", "w") as f:
+        json.dump(payload, f, indent=1)
+    return markdown
+
+
 def main(argv):
     del argv
     if FLAGS.quick:
@@ -371,11 +406,18 @@ def main(argv):
     epsilon_keys = [epsilon_label(e) for e in epsilons]
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     suffix = "_quick" if FLAGS.quick else ""
+    stem = os.path.join(FLAGS.output_dir, f"raco_fairness{suffix}")
 
     datasets = {name: load(name) for name in FLAGS.datasets}
     sizes = {name: (len(d.y_train), len(d.y_test)) for name, d in datasets.items()}
     print(f"loaded {', '.join(f'{n} {s[0]}/{s[1]}' for n, s in sizes.items())} in {time.time() - started:.0f}s",
           flush=True)
+
+    adult = datasets["adult"] if "adult" in datasets else load("adult")
+    timings = [measure_step_time(adult, model_kind, BATCH_SIZES["adult"], mode)
+               for model_kind in FLAGS.timing_models for mode in FLAGS.timing_modes]
+    keras.backend.clear_session()
+    print("\n".join(timing_table(timings)), flush=True)
 
     plans: dict = {}
     for name, data in datasets.items():
@@ -415,46 +457,13 @@ def main(argv):
                                  f"{s['accuracy_mean']:.3f}/{s['gap_mean']:.3f}" for s in done)
                 print(f"[{time.time() - started:5.0f}s] {name} {model_kind} {key} steps={plan['steps']} "
                       f"ε={plan['realized_epsilon']:.3f} ({time.time() - group_start:.0f}s): {best}", flush=True)
-
-    adult = datasets["adult"] if "adult" in datasets else load("adult")
-    timings = [measure_step_time(adult, model_kind, BATCH_SIZES["adult"], mode)
-               for model_kind in FLAGS.timing_models for mode in FLAGS.timing_modes]
-    keras.backend.clear_session()
-    elapsed, cpu = time.time() - started, time.process_time() - cpu_started
-
-    lines = [f"# RaCO-DP fairness benchmark{' (quick)' if FLAGS.quick else ''}", "",
-             f"{time.strftime('%Y-%m-%d')}, {FLAGS.threads} TF thread(s), {elapsed / 60:.1f} min wall, "
-             f"{cpu / 60:.1f} min CPU. Demographic parity "
-             f"(2 groups); test accuracy / test DP gap of hard predictions, mean±std over {FLAGS.seeds} seed(s). "
-             f"δ = {FLAGS.delta:g}, C = {FLAGS.l2_norm_clip:g}, max_epochs = {FLAGS.max_epochs}.", "",
-             "## Privacy settings", "", *settings_table(plans, sizes), "",
-             "## Accuracy / gap", "", *results_table(summary, epsilon_keys), "",
-             "## Step time (RaCO-DP vs plain tf_dp.DPModel)", "", *timing_table(timings), ""]
-    markdown = "\n".join(lines)
-    print("\n" + markdown)
-    with open(os.path.join(FLAGS.output_dir, f"raco_fairness{suffix}.md"), "w") as f:
-        f.write(markdown)
-    json_safe = lambda v: None if isinstance(v, float) and math.isinf(v) else v  # noqa: E731
-    payload = {
-        "date": time.strftime("%Y-%m-%d"), "elapsed_seconds": elapsed, "cpu_seconds": cpu, "threads": FLAGS.threads,
-        "flags": {f: json_safe(getattr(FLAGS, f)) for f in (
-            "quick", "datasets", "models", "epsilons", "gammas", "penalties", "seeds", "max_epochs", "delta",
-            "noise_multiplier", "histogram_noise", "small_epsilon_noise_factor", "nonprivate_histogram_noise",
-            "l2_norm_clip", "learning_rate", "parkinsons_learning_rate", "dual_budget", "max_dual_learning_rate",
-            "temperature")},
-        "sizes": sizes, "plans": {d: {k: {f: json_safe(v) for f, v in p.items()} for k, p in by.items()}
-                                  for d, by in plans.items()},
-        "summary": [{k: json_safe(v) for k, v in s.items()} for s in summary],
-        "runs": [{k: json_safe(v) for k, v in r.items()} for r in runs], "step_time": timings,
-    }
-    with open(os.path.join(FLAGS.output_dir, f"raco_fairness{suffix}.json"), "w") as f:
-        json.dump(payload, f, indent=1)
-    for name in datasets:
-        for model_kind in FLAGS.models:
+                write_outputs(stem, started, cpu_started, sizes, plans, summary, runs, timings, epsilon_keys, False)
             pareto_plot(summary, name, model_kind, epsilon_keys, plans,
                         os.path.join(FLAGS.output_dir, f"pareto_{name}_{model_kind}{suffix}.png"))
-    print(f"wrote {FLAGS.output_dir}/raco_fairness{suffix}.{{json,md}} and pareto_*{suffix}.png "
-          f"in {(time.time() - started) / 60:.1f} min", flush=True)
+
+    markdown = write_outputs(stem, started, cpu_started, sizes, plans, summary, runs, timings, epsilon_keys, True)
+    print("\n" + markdown)
+    print(f"wrote {stem}.{{json,md}} and pareto_*{suffix}.png in {(time.time() - started) / 60:.1f} min", flush=True)
 
 
 if __name__ == "__main__":

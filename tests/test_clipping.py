@@ -199,3 +199,24 @@ def test_nonfinite_example_contributes_zero_and_is_counted():
         for got, want in zip(result.clipped_sums, clean.clipped_sums):
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7)
         assert float(result.nonfinite_count(tf.ones(BATCH))) == 1.0
+
+
+@pytest.mark.parametrize("freeze", ["lora", "bias", "layer_norm_beta"])
+def test_frozen_weights_do_not_enter_per_example_norms(freeze):
+    inputs = keras.Input((8,))
+    dense = keras.layers.Dense(4)
+    norm = keras.layers.LayerNormalization()
+    model = keras.Model(inputs, keras.layers.Dense(3)(norm(dense(inputs))))
+    if freeze == "lora":
+        dense.enable_lora(2)
+        dense.lora_kernel_b.assign(tf.ones_like(dense.lora_kernel_b))
+    elif freeze == "bias":
+        dense.bias.trainable = False
+    else:
+        norm.beta.trainable = False
+    x = np.random.randn(BATCH, 8).astype("float32")
+    y = np.random.randint(0, 3, BATCH).astype("int32")
+    loop = flat_norms(loop_per_example_gradients(model, x, y))
+    for engine in ("ghost", "vectorized"):
+        result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(BATCH), 1e9, engine=engine)
+        np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), loop, rtol=1e-4, err_msg=engine)

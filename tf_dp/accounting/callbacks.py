@@ -15,6 +15,9 @@ class PrivacyReport(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._first_batch = True
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self.model.nonfinite_examples.assign(0.0)
+
     def on_train_batch_begin(self, batch, logs=None):
         if self._first_batch:
             self._first_batch = False

@@ -29,6 +29,10 @@ def _patches(layer, inputs: tf.Tensor) -> tf.Tensor:
     return tf.reshape(patches, tf.stack([tf.shape(patches)[0], -1, tf.shape(patches)[-1]]))
 
 
+def _trainable_bias(layer) -> bool:
+    return layer.use_bias and layer.bias.trainable
+
+
 class ConvContribution(Contribution):
     """The Dense contribution of the unfolded layer, with the kernel folded back."""
 
@@ -52,10 +56,11 @@ class ConvRule(GhostRule):
             and layer.padding in ("valid", "same")
             and not getattr(layer, "lora_enabled", False)
             and getattr(layer, "quantization_mode", None) is None
+            and getattr(getattr(layer, "kernel", None), "trainable", True)
         )
 
     def variables(self, layer):
-        return [layer.kernel] + ([layer.bias] if layer.use_bias else [])
+        return [layer.kernel] + ([layer.bias] if _trainable_bias(layer) else [])
 
     def tapped_call(self, layer, original_call, recordings, inputs):
         z = layer.convolution_op(inputs, layer.kernel)
@@ -70,7 +75,8 @@ class ConvRule(GhostRule):
             grad = tf.zeros_like(recording.watched[0]) if grad is None else grad
             patches.append(_patches(layer, recording.inputs))
             grads.append(tf.reshape(grad, tf.stack([tf.shape(grad)[0], -1, layer.filters])))
-        dense = DenseContribution(tf.concat(patches, axis=1), tf.concat(grads, axis=1), layer.use_bias, flat=False)
+        dense = DenseContribution(tf.concat(patches, axis=1), tf.concat(grads, axis=1), _trainable_bias(layer),
+                                  flat=False)
         return ConvContribution(dense, layer.kernel.shape)
 
 

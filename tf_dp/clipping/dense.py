@@ -65,12 +65,20 @@ class DenseContribution(Contribution):
         return [kernel]
 
 
+def trainable_bias(layer) -> bool:
+    return layer.bias is not None and layer.bias.trainable
+
+
 class DenseRule(GhostRule):
     def applies_to(self, layer) -> bool:
-        return not getattr(layer, "lora_enabled", False) and getattr(layer, "quantization_mode", None) is None
+        return (
+            not getattr(layer, "lora_enabled", False)
+            and getattr(layer, "quantization_mode", None) is None
+            and getattr(getattr(layer, "_kernel", None), "trainable", True)  # frozen kernels stay out of norms
+        )
 
     def variables(self, layer):
-        return [layer.kernel] + ([layer.bias] if layer.bias is not None else [])
+        return [layer.kernel] + ([layer.bias] if trainable_bias(layer) else [])
 
     def tapped_call(self, layer, original_call, recordings, inputs, training=None):
         z = keras.ops.matmul(inputs, layer.kernel)
@@ -80,7 +88,7 @@ class DenseRule(GhostRule):
         return layer.activation(z) if layer.activation is not None else z
 
     def contribution(self, layer, recordings, output_grads):
-        has_bias = layer.bias is not None
+        has_bias = trainable_bias(layer)
         grads = [g[0] if g[0] is not None else tf.zeros_like(r.watched[0]) for r, g in zip(recordings, output_grads)]
         if _is_rank2(recordings):
             return DenseContribution(recordings[0].inputs, grads[0], has_bias, flat=True)

@@ -40,6 +40,7 @@ class EmbeddingRule(GhostRule):
             not getattr(layer, "lora_enabled", False)
             and getattr(layer, "quantization_mode", None) is None
             and not getattr(layer, "sparse", False)
+            and getattr(getattr(layer, "_embeddings", None), "trainable", True)
         )
 
     def variables(self, layer):

@@ -67,7 +67,7 @@ def _trainable_units(model) -> list:
     trainable = {id(v) for v in model.trainable_variables}
     return [
         layer for layer in model._flatten_layers(include_self=True)
-        if any(id(v) in trainable for v in layer._trainable_variables)
+        if any(id(v) in trainable and v.trainable for v in layer._trainable_variables)
     ]
 
 

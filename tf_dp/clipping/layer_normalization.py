@@ -27,7 +27,7 @@ class LayerNormalizationRule(GhostRule):
         return not layer.rms_scaling and _last_axis_only(layer)
 
     def variables(self, layer):
-        return [v for v in (layer.gamma, layer.beta) if v is not None]
+        return [v for v in (layer.gamma, layer.beta) if v is not None and v.trainable]
 
     def tapped_call(self, layer, original_call, recordings, inputs):
         normalized = keras.ops.layer_normalization(inputs, None, None, layer.axis, layer.epsilon)
@@ -48,8 +48,8 @@ class LayerNormalizationRule(GhostRule):
             x_hat = tf.reshape(tf.cast(recording.inputs, s.dtype), tf.shape(s))
             gamma += tf.reduce_sum(s * x_hat, axis=1)
             beta += tf.reduce_sum(s, axis=1)
-        grads = ([gamma] if layer.gamma is not None else []) + ([beta] if layer.beta is not None else [])
-        return MaterializedContribution(grads)
+        per_variable = {id(layer.gamma): gamma, id(layer.beta): beta}
+        return MaterializedContribution([per_variable[id(v)] for v in self.variables(layer)])
 
 
 register_ghost_rule(keras.layers.LayerNormalization, LayerNormalizationRule())

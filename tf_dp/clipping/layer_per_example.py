@@ -41,7 +41,9 @@ class LayerPerExampleRule(GhostRule):
         self._tap = tap
 
     def variables(self, layer):
-        return list(layer._trainable_variables)
+        # Keras keeps a variable in _trainable_variables after `v.trainable = False`
+        # (e.g. a LoRA-frozen kernel): only trainable ones enter the per-example norm.
+        return [v for v in layer._trainable_variables if v.trainable]
 
     def tapped_call(self, layer, original_call, recordings, *args, **kwargs):
         # The weight values in effect (possibly a perturbed point under a StatelessScope):

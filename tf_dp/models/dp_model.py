@@ -49,6 +49,10 @@ class DPModelMixin:
 
     def _init_privacy(self):
         self.privacy_ledger = PrivacyLedger()
+        # Examples whose gradient was NaN/Inf this epoch: they contribute zero (clip_factors).
+        # A plain TF variable: not a Keras metric (so not in evaluate) nor a saved weight.
+        self.nonfinite_examples = tf.Variable(0.0, trainable=False, name="nonfinite_examples",
+                                              aggregation=tf.VariableAggregation.SUM)
         self._dp = {"delta": DEFAULT_DELTA, "accountant": "rdp", "target_epsilon": None, "engine": "ghost"}
         self._dp_loss = None
 
@@ -95,9 +99,6 @@ class DPModelMixin:
             "engine": _checks.one_of("clipping_engine", clipping_engine, ENGINES),
         }
         self._dp_loss = per_example_loss(loss)
-        if getattr(self, "nonfinite_examples", None) is None:
-            # Examples whose gradient was NaN/Inf: they contribute zero (see clip_factors).
-            self.nonfinite_examples = keras.metrics.Sum(name="nonfinite_examples")
         if jit_compile == "auto":
             jit_compile = _accelerator_present() and not optimizer.secure_mode
         if jit_compile and optimizer.secure_mode:
@@ -123,7 +124,7 @@ class DPModelMixin:
             clipped_sums, self.trainable_variables, expected_batch_size, self._regularization_gradients()
         )
         self.privacy_ledger.record_step()
-        return self.get_metrics_result()
+        return {**self.get_metrics_result(), "nonfinite_examples": self.nonfinite_examples.read_value()}
 
     def _unpack_dp_batch(self, data):
         """(x, y, mask, L) with x, y, mask shaped [chunks, P, ...]."""
@@ -159,7 +160,7 @@ class DPModelMixin:
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses * tf.cast(mask, result.losses.dtype)), real)
         self._loss_tracker.update_state(mean_loss + self._regularization_loss(), sample_weight=real)
         self.compute_metrics(x, self._targets(y), result.y_pred, sample_weight=mask)
-        self.nonfinite_examples.update_state(result.nonfinite_count(mask))
+        self.nonfinite_examples.assign_add(result.nonfinite_count(mask))
         return [s + c for s, c in zip(sums, result.clipped_sums)]
 
     def _chunk_loss(self):
