@@ -18,13 +18,8 @@ have no ghost rule, so those layers are replayed per example by ``tf.vectorized_
 and ms/step of both runs; ms/step is timed after training on throwaway copies of both
 models (same σ and L), in alternating rounds so that load from other jobs hits both alike.
 
-Frozen variables and the fallback: Keras keeps a variable frozen after creation (the base
-kernel after ``enable_lora``, a bias set ``trainable = False``) in the layer's
-trainable-variable store, and tf_dp 0.1.0's per-layer fallback takes its variables from
-that store, so it adds the frozen weights' per-example gradients to ‖g_i‖ (still a valid
-bound, but it over-clips and materializes gradients nobody trains). By default the script
-re-tracks frozen variables as non-trainable so the per-example norm covers the LoRA
-factors only; ``--noretrack_frozen`` shows tf_dp's behaviour as is.
+Frozen variables (the base kernel after ``enable_lora``, frozen biases) stay out of the
+per-example norm: tf_dp clips only what is trained.
 
     python examples/dp_lora_text.py                          # ε = 8, 3 epochs, rank 4
     python examples/dp_lora_text.py --rank=8 --target_epsilon=3
@@ -64,7 +59,6 @@ flags.DEFINE_integer("vocabulary_size", 10_000, "Vocabulary incl. padding and ou
 flags.DEFINE_integer("embed_dim", 32, "Model width d.")
 flags.DEFINE_integer("num_heads", 2, "Attention heads (key_dim = d / heads).")
 flags.DEFINE_integer("ff_dim", 64, "Hidden width of the feed-forward block.")
-flags.DEFINE_bool("retrack_frozen", True, "Move frozen variables to the non-trainable store (see docstring).")
 flags.DEFINE_integer("seed", 0, "Seed of the initial weights, noise and sampling.")
 flags.DEFINE_integer("timing_rounds", 3, "Alternating timing rounds after training (0: report fit's own median).")
 flags.DEFINE_integer("timing_steps", 20, "Steps per timing round.")
@@ -130,15 +124,7 @@ def _leaf_layers(model: keras.Model) -> list:
     return [layer for layer in model._flatten_layers(include_self=False) if not layer._layers]
 
 
-def _retrack_as_frozen(layer, variable) -> None:
-    """Moves a frozen variable from the layer's trainable store to its non-trainable one."""
-    layer._untrack_variable(variable)
-    layer._tracker.unlock()
-    layer._track_variable(variable)
-    layer._tracker.lock()
-
-
-def enable_lora_only(model: keras.Model, rank: int, retrack_frozen: bool = True) -> None:
+def enable_lora_only(model: keras.Model, rank: int) -> None:
     """LoRA on every Dense/EinsumDense kernel; every other weight frozen."""
     for layer in _leaf_layers(model):
         if isinstance(layer, LORA_LAYERS):
@@ -146,8 +132,6 @@ def enable_lora_only(model: keras.Model, rank: int, retrack_frozen: bool = True)
             for variable in list(layer._trainable_variables):
                 if "lora_kernel" not in variable.path:
                     variable.trainable = False
-                    if retrack_frozen:
-                        _retrack_as_frozen(layer, variable)
         else:
             layer.trainable = False
 
@@ -157,7 +141,7 @@ def build_variant(variant: Variant, make_model, initial_weights: list) -> tf_dp.
     model = make_model()
     model.set_weights(initial_weights)
     if variant.lora:
-        enable_lora_only(model, FLAGS.rank, FLAGS.retrack_frozen)
+        enable_lora_only(model, FLAGS.rank)
     return model
 
 
