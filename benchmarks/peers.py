@@ -351,7 +351,7 @@ def main(argv):
             print(f"| {r['model']} | {r['worker']} | failed | - | {r['error'][:300]} |")
         else:
             ratio = f"{r['ratio_to_tf_dp']:.2f}x" if "ratio_to_tf_dp" in r else "-"
-            vers = ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+            vers = ", ".join(f"{k} {v}" for k, v in r["versions"].items() if k != "warm_ms")
             print(f"| {r['model']} | {r['worker']} | {r['ms_per_step']:.1f} | {ratio} | {vers} |")
     with open(FLAGS.output, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "cpu_count": os.cpu_count(), "cpus": FLAGS.cpus,

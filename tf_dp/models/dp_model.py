@@ -141,27 +141,34 @@ class DPModelMixin:
         return tf.nest.map_structure(add_chunk_axis, x), tf.nest.map_structure(add_chunk_axis, y), mask, _global(batch)
 
     def _clipped_sum_over_chunks(self, x, y, mask, clip, points):
-        zeros = [tf.zeros_like(v) for v in self.trainable_variables]
-        first = tf.nest.flatten(x)[0]
-        if first.shape[0] == 1:
-            return self._clip_chunk(tf.nest.map_structure(lambda t: t[0], x), tf.nest.map_structure(lambda t: t[0], y), mask[0], clip, points, zeros)
+        """Σ over the batch's chunks of Σ_i c_i g_i; also counts non-finite examples."""
 
-        def body(index, sums):
+        def chunk(index):
             take = lambda t: tf.gather(t, index)  # noqa: E731
-            return index + 1, self._clip_chunk(tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), tf.gather(mask, index), clip, points, sums)
+            return tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), take(mask)
 
-        _, sums = tf.while_loop(lambda index, _: index < tf.shape(first)[0], body, (tf.constant(0), zeros))
+        totals = ([tf.zeros_like(v) for v in self.trainable_variables], tf.constant(0.0))
+        if tf.nest.flatten(x)[0].shape[0] == 1:
+            totals = self._clip_chunk(*chunk(0), clip, points, totals)
+        else:
+            chunks = tf.shape(mask)[0]
+            _, totals = tf.while_loop(lambda index, _: index < chunks,
+                                      lambda index, t: (index + 1, self._clip_chunk(*chunk(index), clip, points, t)),
+                                      (tf.constant(0), totals))
+        sums, nonfinite = totals
+        # Outside the loop: a cross-replica variable update may not sit in control flow.
+        self.nonfinite_examples.assign_add(nonfinite)
         return sums
 
-    def _clip_chunk(self, x, y, mask, clip, points, sums):
+    def _clip_chunk(self, x, y, mask, clip, points, totals):
         result = clipped_gradient_sum(self, self._chunk_loss(), x, y, mask, clip, engine=self._dp["engine"],
                                       points=points)
         real = tf.reduce_sum(mask)
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses * tf.cast(mask, result.losses.dtype)), real)
         self._loss_tracker.update_state(mean_loss + self._regularization_loss(), sample_weight=real)
         self.compute_metrics(x, self._targets(y), result.y_pred, sample_weight=mask)
-        self.nonfinite_examples.assign_add(result.nonfinite_count(mask))
-        return [s + c for s, c in zip(sums, result.clipped_sums)]
+        sums, nonfinite = totals
+        return [s + c for s, c in zip(sums, result.clipped_sums)], nonfinite + result.nonfinite_count(mask)
 
     def _chunk_loss(self):
         """The per-example loss whose gradients are clipped (subclasses add terms)."""
