@@ -15,7 +15,7 @@ same noisy histogram and spends exactly the same (ε, δ) in the same number of 
                   (The documented ``dual_learning_rate=0, initial_multipliers=λ`` puts the
                   same λ on all four two-sided constraints of a 2-group demographic parity,
                   whose Γ_j sum to 0 identically: its penalty gradient is exactly 0 and it
-                  trains the unconstrained model. See README of the results.)
+                  trains exactly the unconstrained model.)
   RaCO-DP (γ)     DemographicParity(γ) with projected dual ascent.
 
 Privacy (examples/raco_adult.py): C = 3, δ = 1e-4, σ = 4, Laplace histogram scale 2 (b = 0.5);
@@ -25,7 +25,8 @@ meets the target (``tf_dp.raco.calibrate_steps``), capped at ``--max_epochs`` ep
 target and is reported. A single step at σ = 4, scale 2 already costs ε ≈ 0.2, so targets
 below 1 (ε = 0.1) multiply σ and the histogram scale by ``--small_epsilon_noise_factor`` (8:
 σ = 32, scale 16, ≈ 20 steps on the large sets). Non-private ("inf"): σ = 0, histogram scale
-1e-6, the capped number of steps.
+1e-6, the capped number of steps. δ = 1e-4 (the paper's) is ≥ 1/N on Adult and credit, which
+tf_dp warns about; it is kept for comparability with the paper.
 
 Step sizes: primal DP-SGD 1.0 (0.3 for Parkinson's), softmax temperature 1, dual
 η_λ = min(5, --dual_budget / T) with dual_budget = 40 (η_λ = 5 of examples/raco_adult.py
@@ -35,12 +36,16 @@ Poisson sampling and the noise; every method sees the same seeds (common random 
 
 Reported: test accuracy and test demographic-parity gap |P(ŷ=1|z=0) − P(ŷ=1|z=1)| of hard
 (argmax) predictions, mean ± std over seeds. Also: ms/step of RaCO-DP vs plain tf_dp.DPModel
-(same model, same batches; median of per-round ratios of alternating timings).
+(same model, same pre-sampled batches, train_step as a tf.function with and without XLA;
+median of per-round ratios of alternating timings), measured first in the same run.
 
-    python benchmarks/raco_fairness.py            # full run (~25 min on one core)
-    python benchmarks/raco_fairness.py --quick    # ~2 min smoke run
+    python benchmarks/raco_fairness.py                 # full run: 768 trainings, ~14 min CPU on one core
+    python benchmarks/raco_fairness.py --quick         # ~1 min smoke run (24 trainings)
+    python benchmarks/raco_fairness.py --timing_only   # step-time comparison only
 
-Outputs (benchmarks/results/raco/): raco_fairness[_quick].json, .md, pareto_<data>_<model>.png.
+Outputs (benchmarks/results/raco/): raco_fairness[_quick].json and .md (rewritten after every
+(data set, model, ε) group, so an interrupted run keeps its results), pareto_<data>_<model>.png
+(test accuracy vs test gap, colour = ε, marker = method, labels = γ/λ), raco_step_time.*.
 Data sources and licences: Adult and Taiwan credit (UCI, CC BY 4.0), Parkinson's speech (Sakar
 et al. 2019, UCI, CC BY 4.0), COMPAS (ProPublica, github.com/propublica/compas-analysis).
 """
