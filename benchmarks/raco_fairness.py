@@ -12,10 +12,9 @@ same noisy histogram and spends exactly the same (ε, δ) in the same number of 
   unconstrained   DemographicParity(1.0), dual learning rate 0: DP-SGD; λ stays 0.
   penalty (λ)     a FIXED penalty λ·|DP gap| read off the noisy histogram (post-processing):
                   per step λ_j = λ/2 on the constraints with Γ_j(Ĥ) > 0, 0 on the others.
-                  (The documented ``dual_learning_rate=0, initial_multipliers=λ`` puts the
-                  same λ on all four two-sided constraints of a 2-group demographic parity,
-                  whose Γ_j sum to 0 identically: its penalty gradient is exactly 0 and it
-                  trains exactly the unconstrained model.)
+                  (A constant λ on all four two-sided constraints of a 2-group demographic
+                  parity cancels — their Γ_j sum to 0 — which is why the library's
+                  ``fixed_penalty=λ`` also weights only violated constraints.)
   RaCO-DP (γ)     DemographicParity(γ) with projected dual ascent.
 
 Privacy (examples/raco_adult.py): C = 3, δ = 1e-4, σ = 4, Laplace histogram scale 2 (b = 0.5);

@@ -38,10 +38,11 @@ class RateConstrainedModel(DPModel):
 
     def compile(self, optimizer=None, loss=None, metrics=None, *, constraints: Sequence[Constraint] = (),
                 num_groups: int = 2, histogram_noise: float = 2.0, dual_learning_rate: float = 0.1,
-                histogram_temperature: float = 1.0, initial_multipliers: Optional[float] = None,
+                histogram_temperature: float = 1.0, fixed_penalty: Optional[float] = None,
                 target_epsilon: Optional[float] = None, **kwargs):
-        """``dual_learning_rate=0`` with ``initial_multipliers=λ`` is the fixed-penalty
-        baseline (a constant-λ fairness regulariser)."""
+        """``fixed_penalty=λ`` replaces the dual ascent by the constant-λ baseline: each step
+        penalises λ·max(0, Γ_j(Ĥ) − γ_j), i.e. multipliers λ·[Γ_j > γ_j] (a constant λ on
+        every Γ_j would cancel: demographic-parity gaps of complementary groups sum to 0)."""
         if target_epsilon is not None:
             raise ValueError(
                 "`target_epsilon` calibration of RateConstrainedModel is not built in: choose σ or the number of "
@@ -55,10 +56,11 @@ class RateConstrainedModel(DPModel):
         self.constraint_set = ConstraintSet(constraints, num_groups, num_classes)
         self.histogram = NoisyHistogram(self.constraint_set.partitioning.size, histogram_noise, histogram_temperature)
         self.dual_learning_rate = _checks.non_negative("dual_learning_rate", dual_learning_rate)
+        self.fixed_penalty = None if fixed_penalty is None else _checks.non_negative("fixed_penalty", fixed_penalty)
         self._raco_settings = {
             "constraints": list(constraints), "num_groups": num_groups, "histogram_noise": histogram_noise,
             "dual_learning_rate": dual_learning_rate, "histogram_temperature": histogram_temperature,
-            "initial_multipliers": initial_multipliers,
+            "fixed_penalty": fixed_penalty,
         }
         count = len(self.constraint_set)
         if getattr(self, "multipliers", None) is None or self.multipliers.shape[0] != count:
@@ -67,8 +69,6 @@ class RateConstrainedModel(DPModel):
                                            aggregation=once)
             self.constraint_values = tf.Variable(tf.zeros([count]), trainable=False, name="constraint_values",
                                                  aggregation=once)
-        if initial_multipliers is not None:
-            self.multipliers.assign(tf.fill([count], _checks.non_negative("initial_multipliers", initial_multipliers)))
 
     # ------------------------------------------------------------------ data
     def fit(self, x=None, y=None, groups=None, **kwargs):
@@ -119,10 +119,16 @@ class RateConstrainedModel(DPModel):
         noisy = self.histogram.add_noise(self._batch_histogram(x, partitions, mask),
                                          self.optimizer.noise_key(), self.optimizer.iterations)
         values = self.constraint_set.values(noisy)
-        self._lagrangian = (self.constraint_set.coefficients(noisy, self.multipliers), expected_batch_size)
+        violated = values > self.constraint_set.bounds
+        if self.fixed_penalty is None:
+            multipliers = self.multipliers.read_value()
+            updated = tf.maximum(0.0, multipliers + self.dual_learning_rate * (values - self.constraint_set.bounds))
+        else:
+            multipliers = updated = self.fixed_penalty * tf.cast(violated, tf.float32)
+        self._lagrangian = (self.constraint_set.coefficients(noisy, multipliers), expected_batch_size)
         packed = tf.stack([tf.cast(y, tf.int32), partitions], axis=-1)
         logs = self._dp_step(x, packed, mask, expected_batch_size)
-        self.multipliers.assign(tf.maximum(0.0, self.multipliers + self.dual_learning_rate * (values - self.constraint_set.bounds)))
+        self.multipliers.assign(updated)
         self.constraint_values.assign(values)
         return logs
 
