@@ -328,7 +328,7 @@ class DPModelMixin:
         self.optimizer.noise_multiplier = float(np.nextafter(np.float32(sigma), np.float32(np.inf)))  # float32 ≥ σ
         print(f"tf_dp: noise_multiplier calibrated to {sigma:.4f} for ε ≤ {target} at δ = {self._dp['delta']:g} "
               f"over {planned_steps} steps ({self._dp['accountant'].upper()}).")
-        return [PrivacyReport(), PrivacyBudget(target, save_path=self._dp.get("budget_save_path"))]
+        return [PrivacyReport(), PrivacyBudget(target)]
 
     def _prior_event(self):
         return self.privacy_ledger.event() if int(self.privacy_ledger.steps.numpy()) else None
