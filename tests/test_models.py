@@ -49,7 +49,7 @@ def test_fit_learns_without_noise_and_accepts_unbatched_dataset():
     x, y = data()
     model = functional(sigma=0.0, learning_rate=1.0)
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
-    model.fit(dataset, batch_size=20, epochs=10, verbose=0)
+    model.fit(dataset, batch_size=20, epochs=10, verbose=0, sampling_seed=0)
     assert model.evaluate(x, y, verbose=0)[1] > 0.8  # a 3-class problem: chance is < 0.5
     assert model.privacy_ledger.phases()[0].scheme == "poisson"
 
@@ -214,7 +214,7 @@ def test_nonfinite_examples_are_counted_in_logs_and_do_not_poison_weights():
     x = x.copy()
     x[:5, 0] = np.inf
     model = functional(sigma=0.5)
-    history = model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    history = model.fit(x, y, batch_size=20, epochs=1, verbose=0, sampling_seed=0)
     assert history.history["nonfinite_examples"][0] > 0
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
