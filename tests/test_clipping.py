@@ -220,3 +220,32 @@ def test_frozen_weights_do_not_enter_per_example_norms(freeze):
     for engine in ("ghost", "vectorized"):
         result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(BATCH), 1e9, engine=engine)
         np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), loop, rtol=1e-4, err_msg=engine)
+
+
+def attention_model():
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Embedding(13, 8)(inputs)
+    hidden = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(hidden, hidden)
+    hidden = keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, 6), bias_axes="d", activation="relu")(hidden)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(hidden))
+    return keras.Model(inputs, outputs), np.random.randint(0, 13, (BATCH, 5)).astype("int32")
+
+
+def test_einsum_dense_and_attention_use_ghost_rules_and_match_loop():
+    from tf_dp.clipping.einsum_dense import dense_form
+
+    assert dense_form("abc,cde->abde") == (1, 2) and dense_form("abcd,cde->abe") == (2, 1)
+    assert dense_form("ab,bc->ac") == (1, 1) and dense_form("...b,bc->...c") == (1, 1)
+    assert dense_form("abc,dc->abd") is None  # transposed kernel: not a Dense form
+    model, x = attention_model()
+    einsums = [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.EinsumDense)]
+    assert len(einsums) == 5 and all(ghost_rule_for(layer) is not None for layer in einsums)
+    y = np.random.randint(0, 3, BATCH).astype("int32")
+    per_example = loop_per_example_gradients(model, x, y)
+    norms = flat_norms(per_example)
+    clip = float(np.median(norms))
+    result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(BATCH), clip)
+    np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), norms, rtol=1e-4)
+    for v, got in enumerate(result.clipped_sums):
+        want = sum(min(1.0, clip / norms[i]) * per_example[i][v] for i in range(BATCH))
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)

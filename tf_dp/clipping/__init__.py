@@ -2,6 +2,7 @@
 
 from tf_dp.clipping import conv as _conv  # noqa: F401  (registers the Conv1D/Conv2D rule)
 from tf_dp.clipping import dense as _dense  # noqa: F401  (registers the Dense rule)
+from tf_dp.clipping import einsum_dense as _einsum_dense  # noqa: F401  (EinsumDense, so MultiHeadAttention)
 from tf_dp.clipping import embedding as _embedding  # noqa: F401  (registers the Embedding rule)
 from tf_dp.clipping import layer_normalization as _layer_norm  # noqa: F401  (LayerNormalization rule)
 from tf_dp.clipping.clip import clip_factors
