@@ -263,3 +263,39 @@ def test_large_delta_warns_and_budget_stop_saves_the_model(tmp_path):
     assert keras.models.load_model(path, compile=False).privacy_ledger.steps.numpy() == 12
     assert "noise_std" in history.history
     assert history.history["noise_std"][0] == pytest.approx(model.optimizer.noise_multiplier * 1.0 / 20, rel=1e-6)
+
+
+def test_mixed_bfloat16_clips_in_float32_and_float16_is_refused():
+    from tf_dp.clipping import clipped_gradient_sum
+
+    x, y = data()
+    norms = {}
+    for policy in ("float32", "mixed_bfloat16"):
+        keras.config.set_dtype_policy(policy)
+        try:
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((FEATURES,))
+            model = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES, dtype="float32")(
+                keras.layers.Dense(8, activation="relu")(inputs)))
+            result = clipped_gradient_sum(model, sparse_ce, tf.constant(x[:16]), tf.constant(y[:16]), tf.ones(16), 1.0)
+            assert all(g.dtype == tf.float32 for g in result.clipped_sums)
+            norms[policy] = np.sqrt(result.squared_norms.numpy())
+            model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, seed=0), loss=sparse_ce)
+            model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+            assert all(np.isfinite(w).all() for w in model.get_weights())
+        finally:
+            keras.config.set_dtype_policy("float32")
+    # bfloat16 keeps 8 mantissa bits (unit roundoff 0.4 %): typical per-example norms agree
+    # to ~1 %, but rounding can flip a ReLU whose pre-activation is near 0, moving single
+    # examples more; so the median must be tight and none may be off by 2x (a wrong dtype
+    # path, e.g. gradients of the wrong point or scale, would be off for all examples).
+    relative = np.abs(norms["mixed_bfloat16"] / norms["float32"] - 1)
+    assert np.median(relative) < 0.03 and relative.max() < 0.5
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        inputs = keras.Input((FEATURES,))
+        model = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES)(inputs))
+        with pytest.raises(ValueError, match="mixed_bfloat16"):
+            model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=sparse_ce)
+    finally:
+        keras.config.set_dtype_policy("float32")

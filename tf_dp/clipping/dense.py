@@ -32,7 +32,9 @@ def _is_rank2(recordings) -> bool:
 
 class DenseContribution(Contribution):
     def __init__(self, activations, output_grads, has_bias: bool, flat: bool):
-        self.a, self.s, self.has_bias, self.flat = activations, output_grads, has_bias, flat
+        # Norms and clipped sums in float32 even under a bfloat16 compute policy.
+        self.a, self.s = tf.cast(activations, tf.float32), tf.cast(output_grads, tf.float32)
+        self.has_bias, self.flat = has_bias, flat
 
     def squared_norms(self):
         if self.flat:  # a: [P, d], s: [P, k]

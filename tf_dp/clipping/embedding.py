@@ -18,7 +18,8 @@ from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register
 
 class EmbeddingContribution(Contribution):
     def __init__(self, ids, output_grads, vocabulary_size: int):
-        self.ids, self.s, self.vocabulary_size = ids, output_grads, vocabulary_size  # [P, T], [P, T, k]
+        self.ids, self.vocabulary_size = ids, vocabulary_size  # [P, T]
+        self.s = tf.cast(output_grads, tf.float32)  # [P, T, k], float32 under any compute policy
 
     def squared_norms(self):
         same_id = tf.cast(tf.equal(self.ids[:, :, None], self.ids[:, None, :]), self.s.dtype)

@@ -95,7 +95,7 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_
                 if point.weights is not None:
                     tape.watch(point.weights)
             observation, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
-            total = tf.reduce_sum(observation * tf.cast(mask, observation.dtype))
+            total = tf.reduce_sum(tf.cast(observation, tf.float32) * tf.cast(mask, tf.float32))
         watched = tap.watched_tensors()
         output_grads = tape.gradient(total, watched)
     contributions = tap.contributions(output_grads)
@@ -105,7 +105,8 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_
     for layer, rule, contribution in contributions:
         for variable, grad in zip(rule.variables(layer), contribution.weighted_sums(factors)):
             by_variable[id(variable)] = grad
-    sums = [by_variable.get(id(v), tf.zeros_like(v)) for v in model.trainable_variables]
+    sums = [tf.cast(by_variable[id(v)], v.dtype) if id(v) in by_variable else tf.zeros_like(v)
+            for v in model.trainable_variables]
     return ClippedBatch(sums, y_pred, losses, squared_norms)
 
 

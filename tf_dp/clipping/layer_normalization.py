@@ -44,7 +44,7 @@ class LayerNormalizationRule(GhostRule):
         for recording, (grad,) in zip(recordings, output_grads):
             grad = tf.zeros_like(recording.watched[0]) if grad is None else grad
             d = tf.shape(grad)[-1]
-            s = tf.reshape(grad, tf.stack([tf.shape(grad)[0], -1, d]))
+            s = tf.cast(tf.reshape(grad, tf.stack([tf.shape(grad)[0], -1, d])), tf.float32)
             x_hat = tf.reshape(tf.cast(recording.inputs, s.dtype), tf.shape(s))
             gamma += tf.reduce_sum(s * x_hat, axis=1)
             beta += tf.reduce_sum(s, axis=1)

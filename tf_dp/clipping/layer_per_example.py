@@ -24,7 +24,7 @@ class MaterializedContribution(Contribution):
     """Per-example gradients held explicitly: one [P, *shape] tensor per variable."""
 
     def __init__(self, per_example_grads: list[tf.Tensor]):
-        self.per_example_grads = per_example_grads
+        self.per_example_grads = [tf.cast(g, tf.float32) for g in per_example_grads]
 
     def squared_norms(self):
         return tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in self.per_example_grads])

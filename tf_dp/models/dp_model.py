@@ -92,6 +92,12 @@ class DPModelMixin:
                 "tf_dp.DPSGD(learning_rate, l2_norm_clip=1.0, noise_multiplier=1.1)."
             )
         check_model(self)
+        if self.dtype_policy.name == "mixed_float16":
+            raise ValueError(
+                "dtype policy mixed_float16 wraps the optimizer in a LossScaleOptimizer, which would apply "
+                "unclipped, un-noised scaled gradients: use keras.config.set_dtype_policy('mixed_bfloat16') "
+                "(bfloat16 forward; tf_dp clips and adds noise in float32)."
+            )
         self._dp = {
             "delta": DEFAULT_DELTA if delta is None else _checks.delta(delta),
             "accountant": _checks.one_of("accountant", accountant, ACCOUNTANTS),
