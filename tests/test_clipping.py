@@ -138,10 +138,9 @@ def layer_norm_model():
     return keras.Model(inputs, hidden), np.random.randn(BATCH, 4, 6).astype("float32")
 
 
-@pytest.mark.parametrize("build", [conv_model, conv1d_model, layer_norm_model], ids=lambda f: f.__name__)
-def test_conv_ghost_rule_matches_loop(build):
-    model, x = build()
-    assert all(ghost_rule_for(layer) is not None for layer in model.layers if layer.trainable_weights)
+def _assert_ghost_matches_loop(model, x):
+    """Ghost norms and the clipped sum (C = median norm, so half the batch is clipped)
+    equal a Python loop over single examples."""
     y = np.random.randint(0, 3, BATCH).astype("int32")
     per_example = loop_per_example_gradients(model, x, y)
     norms = flat_norms(per_example)
@@ -151,6 +150,13 @@ def test_conv_ghost_rule_matches_loop(build):
     for v, got in enumerate(result.clipped_sums):
         want = sum(min(1.0, clip / norms[i]) * per_example[i][v] for i in range(BATCH))
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("build", [conv_model, conv1d_model, layer_norm_model], ids=lambda f: f.__name__)
+def test_conv_ghost_rule_matches_loop(build):
+    model, x = build()
+    assert all(ghost_rule_for(layer) is not None for layer in model.layers if layer.trainable_weights)
+    _assert_ghost_matches_loop(model, x)
 
 
 def _loop_at(model, x, y, weights):
@@ -240,12 +246,4 @@ def test_einsum_dense_and_attention_use_ghost_rules_and_match_loop():
     model, x = attention_model()
     einsums = [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.EinsumDense)]
     assert len(einsums) == 5 and all(ghost_rule_for(layer) is not None for layer in einsums)
-    y = np.random.randint(0, 3, BATCH).astype("int32")
-    per_example = loop_per_example_gradients(model, x, y)
-    norms = flat_norms(per_example)
-    clip = float(np.median(norms))
-    result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(BATCH), clip)
-    np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), norms, rtol=1e-4)
-    for v, got in enumerate(result.clipped_sums):
-        want = sum(min(1.0, clip / norms[i]) * per_example[i][v] for i in range(BATCH))
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+    _assert_ghost_matches_loop(model, x)

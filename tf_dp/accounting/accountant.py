@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from absl import logging as absl_logging
 from dp_accounting import dp_event
@@ -121,6 +121,20 @@ def calibrate_noise_multiplier(
         return epsilon_of_event(event, delta, accountant)
 
     return _smallest_sigma_within(epsilon, target_epsilon)
+
+
+def largest_fitting(fits: Callable[[int], bool], lowest: int, highest: int) -> int:
+    """Largest n in [lowest, highest] with ``fits(n)``, for a predicate that holds up to some
+    n and fails after (ε ≤ budget as steps grow); ``fits(lowest)`` must hold. Doubling, then
+    bisection: O(log n) accountant calls."""
+    good, bad = lowest, max(2 * lowest, lowest + 1)
+    while bad <= highest and fits(bad):
+        good, bad = bad, 2 * bad
+    bad = min(bad, highest + 1)
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good
 
 
 def _smallest_sigma_within(epsilon, target: float, relative_tolerance: float = 1e-3) -> float:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import keras
 
+from tf_dp.accounting.accountant import largest_fitting
+
+_UNBOUNDED = 10**8  # more steps than any run takes: the budget does not bind
+
 
 class PrivacyReport(keras.callbacks.Callback):
     """Adds ``epsilon`` (all steps so far, at the model's δ) to each epoch's logs.
@@ -80,30 +84,18 @@ class PrivacyBudget(keras.callbacks.Callback):
 def _max_total_steps(model, max_epsilon: float):
     """Largest total step count whose ε stays ≤ max_epsilon if the current phase continues."""
     ledger, settings = model.privacy_ledger, model.privacy_settings
-    phases = ledger.phases()
-    if not phases:
+    if not ledger.phases():
         return None
     taken = int(ledger.steps.numpy())
-    current_steps = phases[-1].steps
 
-    def epsilon_after(extra: int) -> float:
+    def fits(extra: int) -> bool:
         ledger.steps.assign(taken + extra)
         try:
-            return ledger.epsilon(settings["delta"], settings["accountant"])
+            return ledger.epsilon(settings["delta"], settings["accountant"]) <= max_epsilon
         finally:
             ledger.steps.assign(taken)
 
-    if epsilon_after(0) > max_epsilon and current_steps + taken > 0:
+    if not fits(0):
         return taken
-    low, high = 0, 1
-    while epsilon_after(high) <= max_epsilon:
-        low, high = high, high * 2
-        if high > 10**8:
-            return None
-    while high - low > 1:
-        middle = (low + high) // 2
-        if epsilon_after(middle) <= max_epsilon:
-            low = middle
-        else:
-            high = middle
-    return taken + low
+    extra = largest_fitting(fits, 0, _UNBOUNDED)
+    return None if extra == _UNBOUNDED else taken + extra

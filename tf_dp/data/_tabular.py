@@ -48,6 +48,30 @@ def _scale(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     return ((np.asarray(x, dtype=np.float64) - mean) / std).astype(np.float32)
 
 
+def encode_columns(
+    train: dict[str, np.ndarray],
+    test: dict[str, np.ndarray],
+    numeric: Sequence[str],
+    categorical: Sequence[str],
+    extra: Sequence[tuple[str, "callable"]] = (),
+) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """Standardized ``numeric`` columns, then ``extra`` (name, table -> [n, 1]) columns, then
+    one-hot ``categorical`` columns; statistics and vocabularies fitted on train only."""
+    numeric_train, numeric_test = standardize(
+        np.column_stack([train[c].astype(np.float64) for c in numeric]),
+        np.column_stack([test[c].astype(np.float64) for c in numeric]),
+    )
+    blocks_train = [numeric_train] + [encode(train) for _, encode in extra]
+    blocks_test = [numeric_test] + [encode(test) for _, encode in extra]
+    names = [*numeric, *(name for name, _ in extra)]
+    for column in categorical:
+        vocabulary = fit_vocabulary(train[column])
+        blocks_train.append(one_hot(train[column], vocabulary))
+        blocks_test.append(one_hot(test[column], vocabulary))
+        names.extend(f"{column}={value}" for value in vocabulary)
+    return np.hstack(blocks_train), np.hstack(blocks_test), tuple(names)
+
+
 def encode_groups(values: np.ndarray, group_names: Sequence[str], attribute: str) -> np.ndarray:
     """int32 group ids: the index of each value in ``group_names``; unknown values raise."""
     lookup = {name: index for index, name in enumerate(group_names)}

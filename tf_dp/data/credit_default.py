@@ -9,14 +9,7 @@ import numpy as np
 
 from ._package_files import DataPackage, find_package_file
 from ._split import Split
-from ._tabular import (
-    check_row_count,
-    encode_groups,
-    fit_vocabulary,
-    one_hot,
-    standardize,
-    stratified_group_split,
-)
+from ._tabular import check_row_count, encode_columns, encode_groups, stratified_group_split
 
 CREDIT_PACKAGE = DataPackage(module="virny", distribution="virny", version="0.4.0")
 CREDIT_FILE = "datasets/credit_card_default_clean.csv"
@@ -90,19 +83,7 @@ def encode_features(
     train: dict[str, np.ndarray], test: dict[str, np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """Standardized numeric columns, ``sex=female``, then one-hot codes; fitted on train."""
-    numeric_train, numeric_test = standardize(
-        np.column_stack([train[c].astype(np.float64) for c in NUMERIC_COLUMNS]),
-        np.column_stack([test[c].astype(np.float64) for c in NUMERIC_COLUMNS]),
-    )
-    blocks_train = [numeric_train, _is_female(train)]
-    blocks_test = [numeric_test, _is_female(test)]
-    names = [*NUMERIC_COLUMNS, "sex=female"]
-    for column in CATEGORICAL_COLUMNS:
-        vocabulary = fit_vocabulary(train[column])
-        blocks_train.append(one_hot(train[column], vocabulary))
-        blocks_test.append(one_hot(test[column], vocabulary))
-        names.extend(f"{column}={value}" for value in vocabulary)
-    return np.hstack(blocks_train), np.hstack(blocks_test), tuple(names)
+    return encode_columns(train, test, NUMERIC_COLUMNS, CATEGORICAL_COLUMNS, extra=[("sex=female", _is_female)])
 
 
 def _is_female(table: dict[str, np.ndarray]) -> np.ndarray:

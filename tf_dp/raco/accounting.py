@@ -45,6 +45,7 @@ from tf_dp.accounting.accountant import (
     PLD_DISCRETIZATION,
     RDP_ORDERS,
     _smallest_sigma_within,
+    largest_fitting,
     epsilon_of_event,
 )
 
@@ -416,17 +417,7 @@ def calibrate_steps(
             f"target_epsilon={target_epsilon} is unreachable: a single step already costs "
             f"ε={epsilon(1):.4g}. Raise noise_multiplier / histogram_noise or target_epsilon."
         )
-    fits, exceeds = 1, 2  # invariant: ε(fits) ≤ target < ε(exceeds), once `exceeds` is checked
-    while exceeds <= max_steps and epsilon(exceeds) <= target_epsilon:
-        fits, exceeds = exceeds, 2 * exceeds
-    exceeds = min(exceeds, max_steps + 1)
-    while exceeds - fits > 1:
-        middle = (fits + exceeds) // 2
-        if epsilon(middle) <= target_epsilon:
-            fits = middle
-        else:
-            exceeds = middle
-    return fits
+    return largest_fitting(lambda steps: epsilon(steps) <= target_epsilon, 1, max_steps)
 
 
 def calibrate_noise_multiplier(
