@@ -15,7 +15,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tf_dp  # noqa: E402
-from tf_dp.models.data import poisson_dataset  # noqa: E402
+from tf_dp.models.data import distributed_poisson_dataset, poisson_dataset  # noqa: E402
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -48,8 +48,7 @@ results["chunks"] = [float(v) for v in batch["mask"].numpy().sum(axis=1)]
 single._prebuild(x, y)
 single.train_step(batch)
 mirrored._prebuild(x, y)
-distributed = next(iter(strategy.experimental_distribute_dataset(
-    poisson_dataset(x, y, 64, 16, None, seed=5, chunk_multiple=2))))
+distributed = next(iter(distributed_poisson_dataset(strategy, x, y, 64, 16, None, seed=5)))
 results["chunks_per_replica"] = [float(v.numpy().sum()) for v in distributed["mask"].values]
 tf.function(lambda d: strategy.run(mirrored.train_step, args=(d,)))(distributed)
 try:
@@ -79,5 +78,29 @@ big_x = rng.normal(size=(200, 4)).astype("float32")
 fitted.fit(big_x, (big_x[:, 0] > 0).astype("int32"), batch_size=20, epochs=1, verbose=0)
 results["fit_steps"] = int(fitted.privacy_ledger.steps.numpy())
 results["fit_epsilon"] = fitted.get_epsilon()
+
+
+def three_steps(make_optimizer, under_strategy):
+    """3 steps (σ = 0) from the same weights: ``fit`` under the strategy (3 epochs of 1 step),
+    or train_step on one device fed the batches of steps 0, 1, 2 of the same seeded stream."""
+    with (strategy.scope() if under_strategy else tf.distribute.get_strategy().scope()):
+        model = build()
+        model.set_weights(initial)
+        model.compile(optimizer=make_optimizer(), loss=loss)
+    if under_strategy:
+        model.fit(x, y, batch_size=16, epochs=3, steps_per_epoch=1, sampling_seed=9, verbose=0)
+    else:
+        model._prebuild(x, y)
+        for batch in poisson_dataset(x, y, 64, 16, None, seed=9).take(3):
+            model.train_step(batch)
+    return model.get_weights()
+
+
+for name, make in {"sgd": lambda: tf_dp.DPSGD(0.05, noise_multiplier=0.0, l2_norm_clip=0.5),
+                   "disk": lambda: tf_dp.DiSK(0.05, noise_multiplier=0.0, l2_norm_clip=0.5, seed=2),
+                   "fiber": lambda: tf_dp.FIBER(0.05, noise_multiplier=0.0, l2_norm_clip=0.5, seed=2)}.items():
+    one, two = three_steps(make, False), three_steps(make, True)
+    results[f"{name}_max_difference"] = float(max(np.abs(a - b).max() for a, b in zip(one, two)))
+    results[f"{name}_moved"] = float(max(np.abs(a - b).max() for a, b in zip(one, initial)))
 print(json.dumps(results))
 sys.stdout.flush()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -67,12 +68,19 @@ def is_batched_dataset(dataset: tf.data.Dataset, model) -> bool:
 
 def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_size: Optional[int],
                     seed: Optional[int], extras: Optional[dict] = None, secure: bool = False,
-                    chunk_multiple: int = 1) -> tf.data.Dataset:
+                    chunk_multiple: int = 1, replica_slots: Optional[range] = None,
+                    first_step: Optional[Callable[[], int]] = None) -> tf.data.Dataset:
     """Endless dataset of Poisson batches {x, y, mask: [chunks, P, ...], expected_batch_size:
-    [chunks] (L repeated, so that tf.distribute can split every component by chunk)}
-    plus any per-example ``extras`` arrays (e.g. RaCO-DP's group ids), gathered alike. The
-    chunk count is padded (with empty chunks) to a multiple of ``chunk_multiple``, the number
-    of tf.distribute replicas, which split the chunk axis."""
+    [chunks] (L repeated)} plus any per-example ``extras`` arrays (e.g. RaCO-DP's group ids),
+    gathered alike.
+
+    Under tf.distribute the chunk count is padded (with empty chunks) to a multiple of
+    ``chunk_multiple`` = R replicas, and ``replica_slots`` selects which of the R equal
+    chunk slices this input pipeline yields: one element per slot per batch, in order.
+
+    ``first_step()`` is read each time an iterator starts (DPModel passes its count of
+    steps taken): the stream then serves the batch of step t at step t however often Keras
+    re-creates or prefetches iterators, identically on every worker."""
     extras = dict(extras or {})
     sampler = PoissonSampler(num_examples, batch_size, physical_batch_size, seed, secure=secure,
                              chunk_multiple=chunk_multiple)
@@ -88,12 +96,50 @@ def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_siz
         **{name: spec(array) for name, array in extras.items()},
     }
 
+    def element(indices, mask):
+        return {
+            "x": tf.nest.map_structure(lambda a: a[indices], x), "y": y[indices],
+            "mask": mask, "expected_batch_size": np.full(len(mask), expected),
+            **{name: array[indices] for name, array in extras.items()},
+        }
+
     def batches():
-        for indices, mask in sampler:
-            yield {
-                "x": tf.nest.map_structure(lambda a: a[indices], x), "y": y[indices],
-                "mask": mask, "expected_batch_size": np.full(len(mask), expected),
-                **{name: array[indices] for name, array in extras.items()},
-            }
+        for indices, mask in sampler.stream(None if first_step is None else first_step()):
+            if replica_slots is None:
+                yield element(indices, mask)
+                continue
+            width = len(mask) // chunk_multiple
+            for slot in replica_slots:
+                part = slice(slot * width, (slot + 1) * width)
+                yield element(indices[part], mask[part])
 
     return tf.data.Dataset.from_generator(batches, output_signature=signature).prefetch(2)
+
+
+def distributed_poisson_dataset(strategy: tf.distribute.Strategy, x, y, num_examples: int, batch_size: int,
+                                physical_batch_size: Optional[int], seed: Optional[int],
+                                extras: Optional[dict] = None, secure: bool = False,
+                                first_step: Optional[Callable[[], int]] = None):
+    """One global Poisson batch per step, split by chunks across ALL replicas of ``strategy``
+    (every worker of a multi-worker strategy draws the same batch from the shared ``seed``
+    and keeps only its replicas' slices): no example is read twice, none is dropped."""
+    replicas = strategy.num_replicas_in_sync
+
+    def pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        local = replicas // context.num_input_pipelines
+        first = context.input_pipeline_id * local
+        return poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, seed, extras, secure,
+                               chunk_multiple=replicas, replica_slots=range(first, first + local),
+                               first_step=first_step)
+
+    return strategy.distribute_datasets_from_function(pipeline)
+
+
+def agreed_sampling_seed(strategy: tf.distribute.Strategy, seed: Optional[int]) -> int:
+    """The batch-selection seed every worker uses: ``seed``, or the sum of one OS draw per
+    replica (an all-reduce, so all workers hold the same value)."""
+    if seed is not None:
+        return int(seed)
+    draw = int.from_bytes(os.urandom(4), "little") >> 1
+    per_replica = strategy.run(lambda: tf.constant(draw, tf.int64))
+    return int(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None))

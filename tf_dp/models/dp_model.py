@@ -25,7 +25,8 @@ from tf_dp import _checks
 from tf_dp.accounting import ACCOUNTANTS, PrivacyLedger, calibrate_noise_multiplier
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
 from tf_dp.clipping import ENGINES, clipped_gradient_sum
-from tf_dp.models.data import as_arrays, is_batched_dataset, is_poisson_batch, num_rows, poisson_dataset
+from tf_dp.models.data import (agreed_sampling_seed, as_arrays, distributed_poisson_dataset, is_batched_dataset,
+                               is_poisson_batch, num_rows, poisson_dataset)
 from tf_dp.models.losses import per_example_loss
 from tf_dp.models.validation import check_model
 from tf_dp.optimizers import DPOptimizer
@@ -221,13 +222,13 @@ class DPModelMixin:
         mechanism), with a warning.
         """
         self._require_dp_compiled()
-        self._refuse_multi_worker()
         for unsupported in ("shuffle", "class_weight", "sample_weight"):
             if kwargs.get(unsupported) not in (None, True) or (unsupported != "shuffle" and unsupported in kwargs):
                 raise ValueError(f"`{unsupported}` is not supported by DP fit (Poisson sampling replaces it).")
         kwargs.pop("shuffle", None)
         callbacks = list(callbacks or [])
         if isinstance(x, tf.data.Dataset) and is_batched_dataset(x, self):
+            self._refuse_multi_worker("a batched dataset")
             return self._fit_fixed_batches(x, epochs, verbose, callbacks, validation_data, initial_epoch, steps_per_epoch, **kwargs)
         x, y = as_arrays(x, y)
         if validation_split:
@@ -245,9 +246,10 @@ class DPModelMixin:
         self._open_phase("poisson", batch_size / num_examples, num_examples, batch_size)
         if self.optimizer.secure_mode and sampling_seed is not None:
             raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
-        dataset = poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, sampling_seed,
-                                  extras=self._per_example_extras(num_examples), secure=self.optimizer.secure_mode,
-                                  chunk_multiple=self.distribute_strategy.num_replicas_in_sync)
+        steps_taken = StepsTaken(self.privacy_ledger)
+        callbacks.append(steps_taken)  # last: its on_train_begin sees a ledger BackupAndRestore restored
+        dataset = self._poisson_stream(x, y, num_examples, batch_size, physical_batch_size, sampling_seed,
+                                       steps_taken)
         self._prebuild(x, y)
         return super().fit(
             dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
@@ -285,13 +287,29 @@ class DPModelMixin:
         self._build_optimizer()
         return super().train_on_batch(x, y, return_dict=return_dict)
 
-    def _refuse_multi_worker(self):
-        """Several workers would each draw (or shard) their own Poisson batch: one global
-        step would then read more than one batch, which the accountant does not know."""
+    def _poisson_stream(self, x, y, num_examples, batch_size, physical_batch_size, sampling_seed, steps_taken):
+        """The Poisson batches ``fit`` trains on: the batch of step t at step t, one global
+        batch per step, which tf.distribute replicas split by chunks (never duplicate)."""
+        strategy, secure = self.distribute_strategy, self.optimizer.secure_mode
+        extras = self._per_example_extras(num_examples)
+        steps_taken = steps_taken.read
+        if strategy.num_replicas_in_sync == 1:
+            return poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, sampling_seed, extras,
+                                   secure=secure, first_step=steps_taken)
+        if secure:
+            self._refuse_multi_worker("secure_mode=True (each worker would draw its own OS-entropy batch)")
+        seed = sampling_seed if secure else agreed_sampling_seed(strategy, sampling_seed)
+        return distributed_poisson_dataset(strategy, x, y, num_examples, batch_size, physical_batch_size, seed,
+                                           extras, secure=secure, first_step=steps_taken)
+
+    def _refuse_multi_worker(self, what: str):
+        """Workers would each read their own data, so one global step could read an example
+        more than once (sensitivity above C) or not be the batch the accountant assumes."""
         if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            raise NotImplementedError(
-                "tf_dp does not yet run under MultiWorkerMirroredStrategy: workers would sample or shard their "
-                "own Poisson batches, breaking the one-batch-per-step accounting. Use MirroredStrategy on one host."
+            raise ValueError(
+                f"tf_dp cannot train on {what} under MultiWorkerMirroredStrategy: workers could read the same "
+                "examples in one step. Pass arrays (or an unbatched dataset) with batch_size=..., for which fit draws "
+                "one shared Poisson batch per step and splits it across all workers."
             )
 
     def _per_example_extras(self, num_examples: int) -> dict:
@@ -343,8 +361,17 @@ class DPModelMixin:
         """Builds model, metrics and optimizer from one example, since the Poisson stream's
         elements are not plain (x, y) batches."""
         sample = tf.nest.map_structure(lambda a: a[:1], (x, y))
-        self._symbolic_build(data_batch=sample)
-        self._build_optimizer()
+        with self.distribute_strategy.scope():
+            self._symbolic_build(data_batch=sample)
+            self._build_optimizer()
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Under a tf.distribute strategy Keras would build by consuming one batch of the
+        # training iterator; fit has already built the model (_prebuild), and a consumed
+        # Poisson batch would shift the stream against the step count (see poisson_dataset).
+        if iterator is not None and self.built and self.optimizer is not None and self.optimizer.built:
+            return
+        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def _build_optimizer(self):
         """Eagerly, so that optimizer state initialised from the weights (θ_{t−1} of
@@ -408,6 +435,26 @@ class DPModelMixin:
         if set(PrivacyLedger.STORE_KEYS) <= keys:
             self.privacy_ledger.load_from(store)
         super().load_own_variables({k: store[k] for k in keys - set(PrivacyLedger.STORE_KEYS)})
+
+
+class StepsTaken(keras.callbacks.Callback):
+    """The ledger's step count as of the last finished batch, for the Poisson stream to
+    read when an iterator starts. Reading the variable itself there would race with the
+    running step's own increment (tf.data starts the generator inside the step's graph)."""
+
+    def __init__(self, ledger: PrivacyLedger):
+        super().__init__()
+        self._ledger = ledger
+        self._value = int(ledger.steps.numpy())
+
+    def read(self) -> int:
+        return self._value
+
+    def on_train_begin(self, logs=None):
+        self._value = int(self._ledger.steps.numpy())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._value = int(self._ledger.steps.numpy())
 
 
 def _global(count: tf.Tensor) -> tf.Tensor:

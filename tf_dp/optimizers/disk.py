@@ -47,15 +47,13 @@ class DiSK(TwoPointObservation, DPOptimizer):
         super().build(variables)
         self._filtered_gradients = self.add_optimizer_variables(variables, "filtered_gradient")
 
-    def filter_gradients(self, averaged, trainable_variables):
-        averaged = super().filter_gradients(averaged, trainable_variables)
-        filtered = []
-        for g, v in zip(averaged, trainable_variables):
-            state = self._filtered_gradients[self._get_variable_index(v)]
-            new = ema_filter(state.value, g, self.kappa)
-            state.assign(new)
-            filtered.append(new)
-        return filtered
+    def update_step(self, gradient, variable, learning_rate):
+        """g̃_t = (1 − κ) g̃_{t−1} + κ ĝ_t, then the base update with g̃_t. Keras calls this
+        per variable with ĝ already summed over tf.distribute replicas."""
+        state = self._filtered_gradients[self._get_variable_index(variable)]
+        filtered = ema_filter(state.value, keras.ops.cast(gradient, state.dtype), self.kappa)
+        self.assign(state, filtered)
+        return super().update_step(filtered, variable, learning_rate)
 
     def get_config(self):
         return {**super().get_config(), **self._two_point_config(), "base": self.base}

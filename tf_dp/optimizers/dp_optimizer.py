@@ -6,7 +6,8 @@ and the average of ALGORITHMS §1 steps 4–5,
 
     ĝ = (Σ_i ḡ_i + N(0, σ²C² I)) / L,
 
-and passes ĝ to its base Keras update (SGD, Adam, AdamW, filters). L is the expected
+and passes ĝ to its base Keras update (SGD, Adam, AdamW; DiSK/FIBER filter ĝ inside
+``update_step``, where Keras hands it the gradient summed over tf.distribute replicas). L is the expected
 batch size under Poisson sampling (never the realized size) or the public size of an
 explicit batch. Calling ``apply``/``apply_gradients`` directly — what a plain
 ``keras.Model`` does — raises, so a DP optimizer can never train non-privately by accident.
@@ -152,10 +153,6 @@ class DPOptimizer:
                                         self.iterations, replica, replicas)
         averaged = [g / tf.cast(denominator, g.dtype) for g in noisy_sums]
         self._averaged_noise_stddev.assign(stddev_on_sum / denominator)
-        if replicas > 1 and type(self).filter_gradients is not DPOptimizer.filter_gradients:
-            raise NotImplementedError(f"{type(self).__name__} keeps filter state per step; it does not run under "
-                                      "tf.distribute yet. Use DPSGD/DPAdam/DPAdamW with a strategy.")
-        averaged = self.filter_gradients(averaged, trainable_variables)
         if public_gradients is not None:
             averaged = [g if p is None else g + tf.cast(p, g.dtype) for g, p in zip(averaged, public_gradients)]
         return super().apply(averaged, trainable_variables)
@@ -163,10 +160,6 @@ class DPOptimizer:
     def evaluation_points(self, trainable_variables) -> tuple:
         """Where the model evaluates per-example gradients this step: θ_t for DP-SGD."""
         return CURRENT_WEIGHTS
-
-    def filter_gradients(self, averaged: list, trainable_variables: list) -> list:
-        """Post-processing of ĝ before the base update (identity; DiSK/FIBER filter here)."""
-        return averaged
 
     def noise_variance_on_average(self, dtype) -> tf.Tensor:
         """σ_w² = (σ·C/L)², the per-coordinate variance the noise adds to ĝ this step."""

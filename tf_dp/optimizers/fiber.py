@@ -68,17 +68,16 @@ class FIBER(TwoPointObservation, DPAdamW):
         self._filtered_gradients = self.add_optimizer_variables(variables, "filtered_gradient")
         self._residuals = self.add_optimizer_variables(variables, "smoothed_residual")
 
-    def filter_gradients(self, averaged, trainable_variables):
-        averaged = super().filter_gradients(averaged, trainable_variables)
-        filtered = []
-        for g, v in zip(averaged, trainable_variables):
-            index = self._get_variable_index(v)
-            state, residual = self._filtered_gradients[index], self._residuals[index]
-            new_state, new_residual = innovation_filter(state.value, residual.value, g, self.omega)
-            state.assign(new_state)
-            residual.assign(new_residual)
-            filtered.append(new_state)
-        return filtered
+    def update_step(self, gradient, variable, learning_rate):
+        """The innovation filter on ĝ_t (summed over tf.distribute replicas by Keras), then
+        the bias-corrected AdamW update with g̃_t."""
+        index = self._get_variable_index(variable)
+        state, residual = self._filtered_gradients[index], self._residuals[index]
+        new_state, new_residual = innovation_filter(state.value, residual.value,
+                                                    keras.ops.cast(gradient, state.dtype), self.omega)
+        self.assign(state, new_state)
+        self.assign(residual, new_residual)
+        return super().update_step(new_state, variable, learning_rate)
 
     def noise_variance_on_average(self, dtype) -> tf.Tensor:
         """A(ω)·σ_w²: the noise variance left in the filtered gradient g̃."""

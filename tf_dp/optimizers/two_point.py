@@ -60,10 +60,9 @@ class TwoPointObservation:
             return (EvaluationPoint(1.0, look_ahead),)
         return (EvaluationPoint(c, look_ahead), EvaluationPoint(1 - c))
 
-    def filter_gradients(self, averaged, trainable_variables):
-        for v in trainable_variables:  # θ_{t−1} ← θ_t, before the update moves θ
-            self._previous_weights[self._get_variable_index(v)].assign(v.value)
-        return super().filter_gradients(averaged, trainable_variables)
+    def update_step(self, gradient, variable, learning_rate):
+        self.assign(self._previous_weights[self._get_variable_index(variable)], variable)  # θ_{t−1} ← θ_t
+        return super().update_step(gradient, variable, learning_rate)
 
     def _two_point_config(self) -> dict:
         return {"kappa": self.kappa, "gamma": self.gamma}

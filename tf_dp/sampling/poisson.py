@@ -5,6 +5,10 @@ sampling the accountant assumes. The realized batch (size k ~ Binomial(N, q)) is
 in ⌈k/P⌉ chunks of a fixed physical size P, padded with a 0/1 mask: shapes are static
 for XLA, no example is ever dropped, and padded rows contribute nothing. The train step
 sums the clipped gradients of all chunks and applies noise once.
+
+Batch t is a function of (seed, t) alone: a data pipeline restarted, prefetching ahead or
+running on another worker reproduces exactly the batch of step t, and the batches of
+different steps use independent randomness.
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ class PoissonSampler:
       num_examples: N.
       expected_batch_size: L; the sampling rate is q = L / N.
       physical_batch_size: P (None chooses it by ``choose_physical_batch_size``).
-      seed: numpy seed for the batch selection (None: fresh OS entropy).
+      seed: numpy seed for the batch selection (None: fresh OS entropy); batch t is drawn
+        from ``numpy.random.default_rng([seed, t])``.
       secure: draw every step's uniforms from ``os.urandom`` (secure mode; no seed).
     """
 
@@ -91,10 +96,24 @@ class PoissonSampler:
         self.physical_batch_size = _checks.positive_int("physical_batch_size", physical_batch_size)
         if secure and seed is not None:
             raise ValueError("secure sampling draws from the OS; it accepts no `seed`.")
-        self._rng = os.urandom if secure else np.random.default_rng(seed)
+        self.secure = secure
+        self.seed = None if secure else int(np.random.SeedSequence(seed).entropy) % 2**64
         self.chunk_multiple = _checks.positive_int("chunk_multiple", chunk_multiple)
+        self.next_step = 0
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(index chunks [n, P], mask [n, P]) of the Poisson batch of step ``step``."""
+        rng = os.urandom if self.secure else np.random.default_rng([self.seed, int(step)])
+        indices = sample_poisson_batch(rng, self.num_examples, self.sampling_rate)
+        return chunk(indices, self.physical_batch_size, self.chunk_multiple)
+
+    def stream(self, first_step: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Batches of steps first_step, first_step + 1, ... (default: where the last stream stopped)."""
+        step = self.next_step if first_step is None else int(first_step)
+        while True:
+            self.next_step = step + 1
+            yield self.batch(step)
+            step += 1
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        while True:
-            indices = sample_poisson_batch(self._rng, self.num_examples, self.sampling_rate)
-            yield chunk(indices, self.physical_batch_size, self.chunk_multiple)
+        return self.stream()
