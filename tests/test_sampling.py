@@ -78,3 +78,15 @@ def test_fit_stream_samples_at_the_rate_the_ledger_records():
     q = batch / n
     assert abs(np.mean(sizes) - batch) < 5 * np.sqrt(batch * (1 - q) / steps)  # 5 standard errors
     assert len(seen) > 0.99 * n
+
+
+def test_batch_of_step_t_depends_only_on_seed_and_t():
+    sampler = PoissonSampler(500, 25, seed=3)
+    first = [sampler.batch(t) for t in range(4)]
+    again = PoissonSampler(500, 25, seed=3)
+    resumed = [b for _, b in zip(range(2), again.stream(first_step=2))]  # a restarted pipeline at step 2
+    for (i1, m1), (i2, m2) in zip(first[2:], resumed):
+        assert np.array_equal(i1, i2) and np.array_equal(m1, m2)
+    drawn = [set(i[m > 0].tolist()) for i, m in first]
+    assert all(drawn[a] != drawn[b] for a in range(4) for b in range(a))  # fresh randomness per step
+    assert not np.array_equal(PoissonSampler(500, 25, seed=4).batch(0)[0], first[0][0])

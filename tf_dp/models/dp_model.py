@@ -131,7 +131,11 @@ class DPModelMixin:
             clipped_sums, self.trainable_variables, expected_batch_size, self._regularization_gradients()
         )
         self.privacy_ledger.record_step()
-        return {**self.get_metrics_result(), "nonfinite_examples": self.nonfinite_examples.read_value()}
+        return _for_multi_worker_reduce(
+            {**self.get_metrics_result(), "nonfinite_examples": self.nonfinite_examples.read_value()})
+
+    def test_step(self, data):
+        return _for_multi_worker_reduce(super().test_step(data))
 
     def _unpack_dp_batch(self, data):
         """(x, y, mask, L) with x, y, mask shaped [chunks, P, ...]."""
@@ -455,6 +459,15 @@ class StepsTaken(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._value = int(self._ledger.steps.numpy())
+
+
+def _for_multi_worker_reduce(logs: dict) -> dict:
+    """Keras 3 reduces step logs across workers with reduce("MEAN", axis=0), which fails on
+    scalars (tensorflow/tensorflow#72388): give each a length-1 axis there."""
+    strategy = tf.distribute.get_strategy()
+    if not strategy.extended._in_multi_worker_mode():
+        return logs
+    return {name: tf.reshape(value, [1]) for name, value in logs.items()}
 
 
 def _global(count: tf.Tensor) -> tf.Tensor:
