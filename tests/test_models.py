@@ -46,6 +46,7 @@ def test_fit_reports_epsilon_that_matches_the_accountant():
 
 
 def test_fit_learns_without_noise_and_accepts_unbatched_dataset():
+    keras.utils.set_random_seed(0)  # weight init; seeds 0-3 reach 0.88-0.93 (unseeded it once gave 0.78)
     x, y = data()
     model = functional(sigma=0.0, learning_rate=1.0)
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
