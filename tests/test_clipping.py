@@ -124,6 +124,17 @@ def conv_model():
     return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden))), np.random.randn(BATCH, 9, 9, 2).astype("float32")
 
 
+def single_channel_conv_model():
+    """C_in = 1 (the depthwise route) with stride, both paddings, Conv1D, and a layer
+    called twice (two recordings)."""
+    inputs = keras.Input((9, 9, 1))
+    shared = keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="relu")
+    hidden = keras.layers.Concatenate()([shared(inputs), shared(inputs * 0.5)])
+    line = keras.layers.Conv1D(2, 3, strides=2, padding="valid")(keras.layers.Reshape((81, 1))(inputs))
+    merged = keras.layers.Concatenate()([keras.layers.Flatten()(hidden), keras.layers.Flatten()(line)])
+    return keras.Model(inputs, keras.layers.Dense(3)(merged)), np.random.randn(BATCH, 9, 9, 1).astype("float32")
+
+
 def conv1d_model():
     inputs = keras.Input((10, 3))
     hidden = keras.layers.Conv1D(4, 3, strides=2, padding="same", activation="tanh")(inputs)
@@ -152,7 +163,8 @@ def _assert_ghost_matches_loop(model, x):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("build", [conv_model, conv1d_model, layer_norm_model], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("build", [conv_model, single_channel_conv_model, conv1d_model, layer_norm_model],
+                         ids=lambda f: f.__name__)
 def test_conv_ghost_rule_matches_loop(build):
     model, x = build()
     assert all(ghost_rule_for(layer) is not None for layer in model.layers if layer.trainable_weights)

@@ -5,6 +5,11 @@ patch a_it ∈ R^{kh·kw·C_in}: z_it = a_it W + b with W the kernel reshaped to
 [kh·kw·C_in, C_out]. So the Dense sequence rule applies with T = number of output
 positions, and picks per layer between the Gram form (T²(d+k)) and explicit per-example
 A_iᵀS_i (T·d·k), as mixed ghost clipping does.
+
+Single-channel inputs (C_in = 1, typically the first layer on images) skip the unfolding,
+which is slow there: with the examples laid out as the channels of ONE image, the filter
+gradient of a depthwise convolution is exactly the stack of per-example kernel gradients
+A_iᵀS_i, in one call of the platform's convolution kernel.
 """
 
 from __future__ import annotations
@@ -13,20 +18,49 @@ import keras
 import tensorflow as tf
 
 from tf_dp.clipping.dense import DenseContribution
+from tf_dp.clipping.layer_per_example import MaterializedContribution
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
+
+
+def _as_2d(layer, tensor: tf.Tensor) -> tf.Tensor:
+    """Conv1D tensors [P, L, C] as images [P, L, 1, C]."""
+    return tensor[:, :, None, :] if layer.rank == 1 else tensor
+
+
+def _window(layer) -> tuple:
+    """(kernel size, strides, dilation) as 2-D tuples."""
+    if layer.rank == 1:
+        return (layer.kernel_size[0], 1), (layer.strides[0], 1), (layer.dilation_rate[0], 1)
+    return tuple(layer.kernel_size), tuple(layer.strides), tuple(layer.dilation_rate)
 
 
 def _patches(layer, inputs: tf.Tensor) -> tf.Tensor:
     """[P, T, kh·kw·C_in] unfolded input patches, flattened like the kernel."""
-    if layer.rank == 1:
-        inputs = inputs[:, :, None, :]
-        sizes, strides, rates = (layer.kernel_size[0], 1), (layer.strides[0], 1), (layer.dilation_rate[0], 1)
-    else:
-        sizes, strides, rates = layer.kernel_size, layer.strides, layer.dilation_rate
+    inputs = _as_2d(layer, inputs)
+    sizes, strides, rates = _window(layer)
     patches = tf.image.extract_patches(
         inputs, sizes=[1, *sizes, 1], strides=[1, *strides, 1], rates=[1, *rates, 1], padding=layer.padding.upper()
     )
     return tf.reshape(patches, tf.stack([tf.shape(patches)[0], -1, tf.shape(patches)[-1]]))
+
+
+def _single_channel_kernel_grads(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
+    """∂ℓ_i/∂W = A_iᵀS_i of every example, [P, *kernel shape], for C_in = 1: the examples
+    become the P channels of one image, and the gradient of a depthwise convolution with
+    channel multiplier C_out w.r.t. its [kh, kw, P, C_out] filter is the per-example stack."""
+    inputs, grads = _as_2d(layer, tf.cast(inputs, tf.float32)), _as_2d(layer, tf.cast(grads, tf.float32))
+    examples = tf.shape(inputs)[0]
+    (kh, kw), (sh, sw), _ = _window(layer)
+    shape = tf.shape(grads)
+    image = tf.transpose(inputs, [3, 1, 2, 0])  # [1, H, W, P]
+    out_grad = tf.reshape(tf.transpose(grads, [1, 2, 0, 3]), tf.stack([1, shape[1], shape[2], -1]))  # channel p·C_out + k
+    filter_grad = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
+        image, tf.stack([kh, kw, examples, layer.filters]), out_grad, [1, sh, sw, 1], layer.padding.upper())
+    return tf.reshape(tf.transpose(filter_grad, [2, 0, 1, 3]), tf.concat([[examples], layer.kernel.shape], axis=0))
+
+
+def _uses_depthwise_route(layer) -> bool:
+    return layer.kernel.shape[-2] == 1 and all(rate == 1 for rate in _window(layer)[2])
 
 
 def _trainable_bias(layer) -> bool:
@@ -70,12 +104,23 @@ class ConvRule(GhostRule):
         return layer.activation(z) if layer.activation is not None else z
 
     def contribution(self, layer, recordings, output_grads):
-        patches, grads = [], []
-        for recording, (grad,) in zip(recordings, output_grads):
-            grad = tf.zeros_like(recording.watched[0]) if grad is None else grad
+        grads = [tf.zeros_like(r.watched[0]) if g is None else g for r, (g,) in zip(recordings, output_grads)]
+        if _uses_depthwise_route(layer):
+            kernel = tf.add_n([_single_channel_kernel_grads(layer, r.inputs, g) for r, g in zip(recordings, grads)])
+            per_example = [kernel]
+            if _trainable_bias(layer):
+                rank = len(grads[0].shape)
+                per_example.append(tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32), axis=list(range(1, rank - 1)))
+                                             for g in grads]))
+            return MaterializedContribution(per_example)
+        return self._unfolded_contribution(layer, recordings, grads)
+
+    def _unfolded_contribution(self, layer, recordings, grads):
+        patches, flat_grads = [], []
+        for recording, grad in zip(recordings, grads):
             patches.append(_patches(layer, recording.inputs))
-            grads.append(tf.reshape(grad, tf.stack([tf.shape(grad)[0], -1, layer.filters])))
-        dense = DenseContribution(tf.concat(patches, axis=1), tf.concat(grads, axis=1), _trainable_bias(layer),
+            flat_grads.append(tf.reshape(grad, tf.stack([tf.shape(grad)[0], -1, layer.filters])))
+        dense = DenseContribution(tf.concat(patches, axis=1), tf.concat(flat_grads, axis=1), _trainable_bias(layer),
                                   flat=False)
         return ConvContribution(dense, layer.kernel.shape)
 

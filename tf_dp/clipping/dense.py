@@ -43,17 +43,31 @@ class DenseContribution(Contribution):
             return norms + s_sq if self.has_bias else norms
         a, s = self.a, self.s  # [P, T, d], [P, T, k]
         steps, d, k = a.shape[1], a.shape[2], s.shape[2]
-        if steps is not None and steps * (d + k) <= d * k:
+        if self._gram_is_cheaper():
             gram = tf.einsum("ptd,pud->ptu", a, a) * tf.einsum("ptk,puk->ptu", s, s)
             norms = tf.reduce_sum(gram, axis=[1, 2])
         else:
-            norms = tf.reduce_sum(tf.square(tf.einsum("ptd,ptk->pdk", a, s)), axis=[1, 2])
+            norms = tf.reduce_sum(tf.square(self._per_example_kernel_grads()), axis=[1, 2])
         if self.has_bias:
             norms += tf.reduce_sum(tf.square(tf.reduce_sum(s, axis=1)), axis=1)
         return norms
 
+    def _gram_is_cheaper(self) -> bool:
+        steps, d, k = self.a.shape[1], self.a.shape[2], self.s.shape[2]
+        return steps is not None and steps * (d + k) <= d * k
+
+    def _per_example_kernel_grads(self) -> tf.Tensor:
+        """A_iᵀS_i for every example, [P, d, k]; computed once, used for norms and sums."""
+        if not hasattr(self, "_kernel_grads"):
+            self._kernel_grads = tf.einsum("ptd,ptk->pdk", self.a, self.s)
+        return self._kernel_grads
+
     def weighted_sums(self, clip_factors):
         c = tf.cast(clip_factors, self.s.dtype)
+        if not self.flat and not self._gram_is_cheaper():  # Σ_i c_i (A_iᵀS_i) from the stored products
+            kernel = tf.tensordot(c, drop_rows(self._per_example_kernel_grads(), c), axes=1)
+            bias = [tf.reduce_sum(drop_rows(self.s, c) * c[:, None, None], axis=[0, 1])] if self.has_bias else []
+            return [kernel, *bias]
         a, s = drop_rows(self.a, c), drop_rows(self.s, c)
         if self.flat:
             weighted_s = s * c[:, None]
