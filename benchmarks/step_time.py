@@ -4,8 +4,11 @@ Rounds alternate DP and non-private timings; the figure reported is the median o
 per-round ratios (robust to drift of a shared 2-core machine). Prints a Markdown table
 and writes JSON.
 
-    python benchmarks/step_time.py                      # MLP and CNN, batch 256, graph and XLA
+    python benchmarks/step_time.py                      # MLP, CNN, transformer; batch 256, graph and XLA
     python benchmarks/step_time.py --models=mlp --jit=false --batch_size=1024
+
+Columns: non-private Keras (1.0), the same step plus one Gaussian per parameter (the
+noise floor of DP-SGD), tf_dp DP-SGD with each engine, and tf_dp FIBER.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from absl import app, flags  # noqa: E402
 import tf_dp  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["mlp", "cnn"], "Models to time: mlp (784-512-512-10), cnn (tensorflow-privacy tutorial).")
+flags.DEFINE_list("models", ["mlp", "cnn", "transformer"],
+                  "Models to time: mlp (784-512-512-10), cnn (tensorflow-privacy tutorial), transformer (Embedding + "
+                  "MultiHeadAttention + LayerNorm + Dense text classifier, 64 tokens).")
 flags.DEFINE_list("jit", ["false", "true"], "XLA settings to time.")
 flags.DEFINE_list("engines", ["ghost"], "Clipping engines to time (ghost, vectorized).")
 flags.DEFINE_integer("batch_size", 256, "Batch size.")
@@ -49,6 +54,24 @@ def cnn():
     x = keras.layers.MaxPooling2D(2, 1)(x)
     x = keras.layers.Dense(32, activation="relu")(keras.layers.Flatten()(x))
     return inputs, keras.layers.Dense(10)(x)
+
+
+VOCABULARY, TOKENS = 5000, 64
+
+
+def transformer():
+    inputs = keras.Input((TOKENS,), dtype="int32")
+    x = keras.layers.Embedding(VOCABULARY, 64)(inputs)
+    attended = keras.layers.MultiHeadAttention(num_heads=4, key_dim=16)(x, x)
+    x = keras.layers.LayerNormalization()(x + attended)
+    x = keras.layers.LayerNormalization()(x + keras.layers.Dense(64)(keras.layers.Dense(128, activation="relu")(x)))
+    return inputs, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(x))
+
+
+def _inputs(name):
+    if name == "transformer":
+        return np.random.randint(0, VOCABULARY, (FLAGS.batch_size, TOKENS)).astype("int32")
+    return np.random.rand(FLAGS.batch_size, 28, 28, 1).astype("float32")
 
 
 class NoiseFloorModel(keras.Model):
@@ -78,26 +101,31 @@ def _ms_per_step(model, x, y, steps):
 
 def measure(name, build, jit, engine):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x = np.random.rand(FLAGS.batch_size, 28, 28, 1).astype("float32")
-    y = np.random.randint(0, 10, FLAGS.batch_size)
+    x = _inputs(name)
+    y = np.random.randint(0, 2, FLAGS.batch_size)
     private = tf_dp.DPModel(*build())
     private.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, seed=0), loss=loss, jit_compile=jit,
                     clipping_engine=engine)
+    fiber = tf_dp.DPModel(*build())
+    fiber.compile(optimizer=tf_dp.FIBER(1e-3, noise_multiplier=1.0, seed=0), loss=loss, jit_compile=jit,
+                  clipping_engine=engine)
     plain = keras.Model(*build())
     plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=jit)
     floor = NoiseFloorModel(*build())
     floor.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=jit)
-    for model in (private, plain, floor):  # trace/compile outside the timings
+    for model in (private, plain, floor, fiber):  # trace/compile outside the timings
         _ms_per_step(model, x, y, 3)
-    dp_times, plain_times, floor_times = [], [], []
+    dp_times, plain_times, floor_times, fiber_times = [], [], [], []
     for _ in range(FLAGS.rounds):
         dp_times.append(_ms_per_step(private, x, y, FLAGS.steps))
         plain_times.append(_ms_per_step(plain, x, y, FLAGS.steps))
         floor_times.append(_ms_per_step(floor, x, y, FLAGS.steps))
+        fiber_times.append(_ms_per_step(fiber, x, y, FLAGS.steps))
     return {
         "model": name, "jit_compile": jit, "engine": engine, "batch_size": FLAGS.batch_size,
         "plain_ms": statistics.median(plain_times), "floor_ms": statistics.median(floor_times),
-        "dp_ms": statistics.median(dp_times),
+        "dp_ms": statistics.median(dp_times), "fiber_ms": statistics.median(fiber_times),
+        "fiber_ratio": statistics.median(d / p for d, p in zip(fiber_times, plain_times)),
         "ratio": statistics.median(d / p for d, p in zip(dp_times, plain_times)),
         "ratio_to_floor": statistics.median(d / f for d, f in zip(dp_times, floor_times)),
     }
@@ -105,19 +133,20 @@ def measure(name, build, jit, engine):
 
 def main(argv):
     del argv
-    builders = {"mlp": mlp, "cnn": cnn}
+    builders = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
     results = [
         measure(name, builders[name], jit == "true", engine)
         for name in FLAGS.models for jit in FLAGS.jit for engine in FLAGS.engines
     ]
     print(f"\nbatch {FLAGS.batch_size}, {os.cpu_count()} cores, median of {FLAGS.rounds} alternating rounds "
           f"of {FLAGS.steps} steps\n")
-    print("| model | XLA | engine | non-private ms | non-private + noise ms | DP ms | DP / non-private | "
-          "DP / noise floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | XLA | engine | non-private ms | non-private + noise ms | DP-SGD ms | DP-SGD / non-private | "
+          "DP-SGD / noise floor | FIBER ms | FIBER / non-private |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['model']} | {r['jit_compile']} | {r['engine']} | {r['plain_ms']:.1f} | {r['floor_ms']:.1f} | "
-              f"{r['dp_ms']:.1f} | {r['ratio']:.2f}x | {r['ratio_to_floor']:.2f}x |")
+              f"{r['dp_ms']:.1f} | {r['ratio']:.2f}x | {r['ratio_to_floor']:.2f}x | {r['fiber_ms']:.1f} | "
+              f"{r['fiber_ratio']:.2f}x |")
     os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
     with open(FLAGS.output, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=2)
