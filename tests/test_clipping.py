@@ -95,12 +95,25 @@ def test_each_clipped_contribution_is_bounded_by_clip():
         assert norm <= clip * (1 + 1e-5)
 
 
-def test_dense_with_lora_falls_back_to_per_example_path():
-    layer = keras.layers.Dense(4)
-    layer.build((None, 3))
-    assert ghost_rule_for(layer) is not None
-    layer.enable_lora(2)
-    assert ghost_rule_for(layer) is None
+def lora_model():
+    """LoRA adapters on a flat Dense and on a Dense applied to a sequence twice (shared);
+    B made non-zero so both adapter gradients are non-trivial."""
+    inputs = keras.Input((4, 6))
+    sequence = keras.layers.Dense(5, activation="tanh")
+    flat = keras.layers.Dense(3)
+    hidden = keras.layers.Flatten()(keras.layers.Concatenate(axis=1)([sequence(inputs), sequence(inputs * 2.0)]))
+    model = keras.Model(inputs, flat(hidden))
+    for layer, rank in ((sequence, 2), (flat, 3)):
+        layer.enable_lora(rank, lora_alpha=4)
+        layer.lora_kernel_b.assign(np.random.randn(*layer.lora_kernel_b.shape).astype("float32"))
+    return model, np.random.randn(BATCH, 4, 6).astype("float32")
+
+
+def test_lora_ghost_rule_matches_loop():
+    model, x = lora_model()
+    assert {v.name for v in model.trainable_variables} == {"lora_kernel_a", "lora_kernel_b", "bias"}
+    assert all(ghost_rule_for(layer) is not None for layer in model.layers if layer.trainable_weights)
+    _assert_ghost_matches_loop(model, x)
 
 
 def test_register_rule_validates_arguments():

@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp.clipping.clip import drop_rows
+from tf_dp.clipping.lora import lora_contribution, lora_tapped_call, lora_variables
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
 
 
@@ -24,10 +25,6 @@ def _as_sequence(tensor: tf.Tensor) -> tf.Tensor:
     """[P, ..., d] -> [P, T, d]."""
     shape = tf.shape(tensor)
     return tf.reshape(tensor, tf.stack([shape[0], -1, shape[-1]]))
-
-
-def _is_rank2(recordings) -> bool:
-    return len(recordings) == 1 and recordings[0].inputs.shape.rank == 2
 
 
 class DenseContribution(Contribution):
@@ -85,18 +82,37 @@ def trainable_bias(layer) -> bool:
     return layer.bias is not None and layer.bias.trainable
 
 
+def _lora(layer) -> bool:
+    return getattr(layer, "lora_enabled", False)
+
+
+def _dense_contribution(activations: list, grads: list, has_bias: bool) -> DenseContribution:
+    """One Dense contribution from a layer's recordings (several: concatenated along T)."""
+    if len(activations) == 1 and activations[0].shape.rank == 2:
+        return DenseContribution(activations[0], grads[0], has_bias, flat=True)
+    return DenseContribution(tf.concat([_as_sequence(a) for a in activations], axis=1),
+                             tf.concat([_as_sequence(g) for g in grads], axis=1), has_bias, flat=False)
+
+
 class DenseRule(GhostRule):
+    """Dense, and LoRA-enabled Dense (adapters A, B trainable, W₀ frozen; see lora.py)."""
+
     def applies_to(self, layer) -> bool:
         return (
-            not getattr(layer, "lora_enabled", False)
-            and getattr(layer, "quantization_mode", None) is None
-            and getattr(getattr(layer, "_kernel", None), "trainable", True)  # frozen kernels stay out of norms
+            getattr(layer, "quantization_mode", None) is None
+            and (_lora(layer) or getattr(getattr(layer, "_kernel", None), "trainable", True))  # frozen W₀ out of norms
         )
 
     def variables(self, layer):
+        if _lora(layer):
+            return lora_variables(layer, trainable_bias(layer))
         return [layer.kernel] + ([layer.bias] if trainable_bias(layer) else [])
 
     def tapped_call(self, layer, original_call, recordings, inputs, training=None):
+        if _lora(layer):
+            z, recording = lora_tapped_call(layer, inputs)
+            recordings.append(recording)
+            return layer.activation(z) if layer.activation is not None else z
         z = keras.ops.matmul(inputs, layer.kernel)
         if layer.bias is not None:
             z = keras.ops.add(z, layer.bias)
@@ -106,10 +122,9 @@ class DenseRule(GhostRule):
     def contribution(self, layer, recordings, output_grads):
         has_bias = trainable_bias(layer)
         grads = [g[0] if g[0] is not None else tf.zeros_like(r.watched[0]) for r, g in zip(recordings, output_grads)]
-        if _is_rank2(recordings):
-            return DenseContribution(recordings[0].inputs, grads[0], has_bias, flat=True)
-        activations = tf.concat([_as_sequence(r.inputs) for r in recordings], axis=1)
-        return DenseContribution(activations, tf.concat([_as_sequence(g) for g in grads], axis=1), has_bias, flat=False)
+        if _lora(layer):
+            return lora_contribution(layer, recordings, grads, has_bias, _dense_contribution)
+        return _dense_contribution([r.inputs for r in recordings], grads, has_bias)
 
 
 register_ghost_rule(keras.layers.Dense, DenseRule())
