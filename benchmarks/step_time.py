@@ -33,6 +33,8 @@ flags.DEFINE_list("models", ["mlp", "cnn", "transformer"],
 flags.DEFINE_list("jit", ["false", "true"], "XLA settings to time.")
 flags.DEFINE_list("engines", ["ghost"], "Clipping engines to time (ghost, vectorized).")
 flags.DEFINE_integer("batch_size", 256, "Batch size.")
+flags.DEFINE_string("dtype_policy", "float32", "Keras dtype policy for all models (float32 or mixed_bfloat16; "
+                    "tf_dp clips and adds noise in float32 either way).")
 flags.DEFINE_integer("rounds", 5, "Alternating rounds.")
 flags.DEFINE_integer("steps", 20, "Steps per timing.")
 flags.DEFINE_string("output", "benchmarks/results/step_time.json", "Where to write the JSON results.")
@@ -123,6 +125,7 @@ def measure(name, build, jit, engine):
         fiber_times.append(_ms_per_step(fiber, x, y, FLAGS.steps))
     return {
         "model": name, "jit_compile": jit, "engine": engine, "batch_size": FLAGS.batch_size,
+        "dtype_policy": FLAGS.dtype_policy,
         "plain_ms": statistics.median(plain_times), "floor_ms": statistics.median(floor_times),
         "dp_ms": statistics.median(dp_times), "fiber_ms": statistics.median(fiber_times),
         "fiber_ratio": statistics.median(d / p for d, p in zip(fiber_times, plain_times)),
@@ -133,12 +136,13 @@ def measure(name, build, jit, engine):
 
 def main(argv):
     del argv
+    keras.config.set_dtype_policy(FLAGS.dtype_policy)
     builders = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
     results = [
         measure(name, builders[name], jit == "true", engine)
         for name in FLAGS.models for jit in FLAGS.jit for engine in FLAGS.engines
     ]
-    print(f"\nbatch {FLAGS.batch_size}, {os.cpu_count()} cores, median of {FLAGS.rounds} alternating rounds "
+    print(f"\nbatch {FLAGS.batch_size}, {FLAGS.dtype_policy}, {os.cpu_count()} cores, median of {FLAGS.rounds} alternating rounds "
           f"of {FLAGS.steps} steps\n")
     print("| model | XLA | engine | non-private ms | non-private + noise ms | DP-SGD ms | DP-SGD / non-private | "
           "DP-SGD / noise floor | FIBER ms | FIBER / non-private |")

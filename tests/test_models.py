@@ -284,6 +284,11 @@ def test_mixed_bfloat16_clips_in_float32_and_float16_is_refused():
             model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, seed=0), loss=sparse_ce)
             model.fit(x, y, batch_size=20, epochs=1, verbose=0)
             assert all(np.isfinite(w).all() for w in model.get_weights())
+            if policy == "mixed_bfloat16":  # an output layer left in bfloat16 (bfloat16 logits and losses)
+                low = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES)(inputs))
+                low.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, seed=0), loss=sparse_ce, metrics=["accuracy"])
+                history = low.fit(x, y, batch_size=20, epochs=1, verbose=0)
+                assert np.isfinite(history.history["loss"][-1])
         finally:
             keras.config.set_dtype_policy("float32")
     # bfloat16 keeps 8 mantissa bits (unit roundoff 0.4 %): typical per-example norms agree

@@ -175,7 +175,8 @@ class DPModelMixin:
         result = clipped_gradient_sum(self, self._chunk_loss(), x, y, mask, clip, engine=self._dp["engine"],
                                       points=points)
         real = tf.reduce_sum(mask)
-        mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses * tf.cast(mask, result.losses.dtype)), real)
+        losses = tf.cast(result.losses, tf.float32)  # bfloat16 when the output layer computes in bfloat16
+        mean_loss = tf.math.divide_no_nan(tf.reduce_sum(losses * tf.cast(mask, tf.float32)), real)
         self._loss_tracker.update_state(mean_loss + self._regularization_loss(), sample_weight=real)
         self.compute_metrics(x, self._targets(y), result.y_pred, sample_weight=mask)
         sums, nonfinite = totals
