@@ -138,19 +138,20 @@ def main(argv):
     del argv
     keras.config.set_dtype_policy(FLAGS.dtype_policy)
     builders = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
-    results = [
-        measure(name, builders[name], jit == "true", engine)
-        for name in FLAGS.models for jit in FLAGS.jit for engine in FLAGS.engines
-    ]
-    print(f"\nbatch {FLAGS.batch_size}, {FLAGS.dtype_policy}, {os.cpu_count()} cores, median of {FLAGS.rounds} alternating rounds "
-          f"of {FLAGS.steps} steps\n")
+    print(f"batch {FLAGS.batch_size}, {FLAGS.dtype_policy}, {os.cpu_count()} cores, median of {FLAGS.rounds} "
+          f"alternating rounds of {FLAGS.steps} steps\n", flush=True)
     print("| model | XLA | engine | non-private ms | non-private + noise ms | DP-SGD ms | DP-SGD / non-private | "
           "DP-SGD / noise floor | FIBER ms | FIBER / non-private |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['model']} | {r['jit_compile']} | {r['engine']} | {r['plain_ms']:.1f} | {r['floor_ms']:.1f} | "
-              f"{r['dp_ms']:.1f} | {r['ratio']:.2f}x | {r['ratio_to_floor']:.2f}x | {r['fiber_ms']:.1f} | "
-              f"{r['fiber_ratio']:.2f}x |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    results = []
+    for name in FLAGS.models:
+        for jit in FLAGS.jit:
+            for engine in FLAGS.engines:
+                r = measure(name, builders[name], jit == "true", engine)
+                results.append(r)
+                print(f"| {r['model']} | {r['jit_compile']} | {r['engine']} | {r['plain_ms']:.1f} | {r['floor_ms']:.1f} | "
+                      f"{r['dp_ms']:.1f} | {r['ratio']:.2f}x | {r['ratio_to_floor']:.2f}x | {r['fiber_ms']:.1f} | "
+                      f"{r['fiber_ratio']:.2f}x |", flush=True)
     os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
     with open(FLAGS.output, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=2)
