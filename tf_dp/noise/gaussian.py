@@ -1,7 +1,7 @@
 """Gaussian noise from a counter-based generator.
 
-Each step draws N(0, stddev² I) for every coordinate of the model from Philox with the
-run's 64-bit key and a counter unique to (step, variable). Keyed draws make a run
+Each step draws N(0, stddev² I) for every coordinate of the model from Philox seeded by
+the pair (run's 64-bit key, an index unique to (step, variable, replica)). Keyed draws make a run
 reproducible from its seed, keep two steps' noise independent (never a reused counter),
 and survive checkpoint/resume (the counter comes from the saved step count). Philox under XLA on CPU was measured 30x faster than
 ``keras.random.normal``. XLA's Philox kernel lays out counters differently from TF's, so
@@ -38,31 +38,6 @@ def _philox_normal(shape, key: tf.Tensor, block: tf.Tensor, dtype) -> tf.Tensor:
     """
     seed = tf.stack([tf.cast(key, tf.int64), tf.cast(block, tf.int64)])
     return tf.random.stateless_normal(shape, seed=seed, dtype=dtype, alg="philox")
-
-
-def new_seed() -> int:
-    """A fresh 63-bit seed from the OS CSPRNG (used when the user passes ``seed=None``)."""
-    return secrets.randbits(63)
-
-
-def secure_key() -> tf.Tensor:
-    """A fresh Philox key from the OS CSPRNG at every call of the compiled step
-    (``secure_mode``): the noise cannot be reproduced from any stored seed. Not XLA-compilable."""
-    return tf.reshape(tf.py_function(lambda: new_seed(), [], tf.int64), [])
-
-
-_PHILOX = 1  # tf.random.Algorithm.PHILOX
-
-
-def _philox_normal(shape, key: tf.Tensor, block: tf.Tensor, dtype) -> tf.Tensor:
-    """N(0, 1) draws from Philox-4x32 with a 64-bit key and the 128-bit counter (0, block).
-
-    The low counter word counts the 4-float blocks inside this draw; the high word is
-    the draw's unique index, so two draws never share a counter value (no noise reuse).
-    """
-    counter = tf.stack([tf.constant(0, tf.uint64), tf.bitcast(block, tf.uint64)])
-    key = tf.reshape(tf.bitcast(key, tf.uint64), [1])
-    return tf.raw_ops.StatelessRandomNormalV2(shape=shape, key=key, counter=counter, alg=_PHILOX, dtype=dtype)
 
 
 def add_gaussian_noise(
