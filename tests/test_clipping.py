@@ -253,6 +253,19 @@ def test_frozen_weights_do_not_enter_per_example_norms(freeze):
         np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), loop, rtol=1e-4, err_msg=engine)
 
 
+def test_lora_einsum_dense_ghost_rule_matches_loop():
+    """LoRA on every EinsumDense of a MultiHeadAttention block (query/key/value: kernel
+    [d, heads, key_dim]; output: [heads, key_dim, d]) and on a plain EinsumDense."""
+    model, x = attention_model()
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.EinsumDense):
+            layer.enable_lora(2, lora_alpha=3)
+            layer.lora_kernel_b.assign(np.random.randn(*layer.lora_kernel_b.shape).astype("float32"))
+    einsum_layers = [l for l in model._flatten_layers(include_self=False) if isinstance(l, keras.layers.EinsumDense)]
+    assert len(einsum_layers) == 5 and all(ghost_rule_for(l) is not None for l in einsum_layers)
+    _assert_ghost_matches_loop(model, x)
+
+
 def attention_model():
     inputs = keras.Input((5,), dtype="int32")
     hidden = keras.layers.Embedding(13, 8)(inputs)

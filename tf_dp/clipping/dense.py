@@ -86,7 +86,7 @@ def _lora(layer) -> bool:
     return getattr(layer, "lora_enabled", False)
 
 
-def _dense_contribution(activations: list, grads: list, has_bias: bool) -> DenseContribution:
+def dense_contribution(activations: list, grads: list, has_bias: bool) -> DenseContribution:
     """One Dense contribution from a layer's recordings (several: concatenated along T)."""
     if len(activations) == 1 and activations[0].shape.rank == 2:
         return DenseContribution(activations[0], grads[0], has_bias, flat=True)
@@ -123,8 +123,8 @@ class DenseRule(GhostRule):
         has_bias = trainable_bias(layer)
         grads = [g[0] if g[0] is not None else tf.zeros_like(r.watched[0]) for r, g in zip(recordings, output_grads)]
         if _lora(layer):
-            return lora_contribution(layer, recordings, grads, has_bias, _dense_contribution)
-        return _dense_contribution([r.inputs for r in recordings], grads, has_bias)
+            return lora_contribution(layer, recordings, grads, has_bias, dense_contribution)
+        return dense_contribution([r.inputs for r in recordings], grads, has_bias)
 
 
 register_ghost_rule(keras.layers.Dense, DenseRule())

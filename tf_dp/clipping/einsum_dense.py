@@ -15,7 +15,9 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.dense import DenseContribution
+from tf_dp.clipping.dense import DenseContribution, dense_contribution
+from tf_dp.clipping.layer_per_example import MaterializedContribution
+from tf_dp.clipping.lora import einsum_lora_contribution
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
 
 
@@ -38,6 +40,10 @@ def dense_form(equation: str) -> Optional[tuple[int, int]]:
     return len(contracted), len(new)
 
 
+def _lora(layer) -> bool:
+    return getattr(layer, "lora_enabled", False)
+
+
 class EinsumDenseContribution(Contribution):
     def __init__(self, dense: DenseContribution, kernel_shape, bias_shape):
         self.dense, self.kernel_shape, self.bias_shape = dense, kernel_shape, bias_shape
@@ -54,9 +60,12 @@ class EinsumDenseRule(GhostRule):
     def applies_to(self, layer) -> bool:
         form = dense_form(layer.equation)
         kernel = getattr(layer, "_kernel", None)
-        if form is None or kernel is None or getattr(layer, "lora_enabled", False):
+        if form is None or kernel is None or getattr(layer, "quantization_mode", None) is not None:
             return False
-        if getattr(layer, "quantization_mode", None) is not None or not kernel.trainable:
+        if _lora(layer):
+            if form[1] == 0:  # B would act on a contracted axis: not this Dense form
+                return False
+        elif not kernel.trainable:
             return False
         new_shape = tuple(kernel.shape[form[0]:])
         return layer.bias is None or tuple(layer.bias.shape) == new_shape  # bias over the new axes only
@@ -65,17 +74,24 @@ class EinsumDenseRule(GhostRule):
         return layer.bias is not None and layer.bias.trainable
 
     def variables(self, layer):
-        return [layer.kernel] + ([layer.bias] if self._has_bias(layer) else [])
+        kernels = [layer.lora_kernel_a, layer.lora_kernel_b] if _lora(layer) else [layer.kernel]
+        return kernels + ([layer.bias] if self._has_bias(layer) else [])
 
     def tapped_call(self, layer, original_call, recordings, inputs, training=None):
-        z = keras.ops.einsum(layer.equation, inputs, layer.kernel)
+        z = keras.ops.einsum(layer.equation, inputs, layer.kernel)  # W₀ + s·A B under LoRA
         if layer.bias is not None:
             z = keras.ops.add(z, layer.bias)
-        recordings.append(Recording(inputs, [z]))
+        extras = (keras.ops.convert_to_tensor(layer.lora_kernel_a),
+                  keras.ops.convert_to_tensor(layer.lora_kernel_b)) if _lora(layer) else None
+        recordings.append(Recording(inputs, [z], extras=extras))
         return layer.activation(z) if layer.activation is not None else z
 
     def contribution(self, layer, recordings, output_grads):
         contracted, _ = dense_form(layer.equation)
+        if _lora(layer):
+            grads = [tf.zeros_like(r.watched[0]) if g is None else g for r, (g,) in zip(recordings, output_grads)]
+            return einsum_lora_contribution(layer, recordings, grads, contracted, self._has_bias(layer),
+                                            dense_contribution, MaterializedContribution)
         kernel_shape = tuple(layer.kernel.shape)
         c, k = math.prod(kernel_shape[:contracted]), math.prod(kernel_shape[contracted:])
         activations, grads = [], []

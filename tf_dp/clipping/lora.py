@@ -12,6 +12,8 @@ A and B are read inside the recorded call, so a look-ahead evaluation point uses
 
 from __future__ import annotations
 
+import math
+
 import keras
 import tensorflow as tf
 
@@ -57,3 +59,53 @@ def lora_contribution(layer, recordings, grads, has_bias: bool, dense_contributi
         activations_b.append(scale * tf.matmul(inputs, a))
     return LoRAContribution(dense_contribution(activations_a, grads_a, False),
                             dense_contribution(activations_b, grads, has_bias))
+
+
+class ReshapedContribution(Contribution):
+    """A contribution whose weighted sums are reshaped to the variables' shapes."""
+
+    def __init__(self, parts: list, shapes: list):
+        self.parts, self.shapes = parts, shapes
+
+    def squared_norms(self):
+        return tf.add_n([part.squared_norms() for part in self.parts])
+
+    def weighted_sums(self, clip_factors):
+        sums = [s for part in self.parts for s in part.weighted_sums(clip_factors)]
+        return [tf.reshape(s, shape) for s, shape in zip(sums, self.shapes)]
+
+
+def einsum_lora_contribution(layer, recordings, grads, contracted: int, has_bias: bool, dense_contribution,
+                             materialized_contribution) -> Contribution:
+    """LoRA on an EinsumDense in Dense form: kernel axes [contracted C | new N', n], A of
+    shape [C, N', r], B of shape [r, n], W = W₀ + s·A B. Per example, with a_t ∈ R^C and
+    g_t ∈ R^{N'×n}:
+
+        ∂ℓ/∂A = a_tᵀ (s · g_t Bᵀ) summed over t    (Dense form, gradient width N'·r)
+        ∂ℓ/∂B = Σ_{t,n'} (s · a_t A)[n'] ᵀ g_t[n']   (Dense form over T·N' positions)
+        ∂ℓ/∂b = Σ_t g_t                              (materialized; the size of b)
+    """
+    scale = _scale(layer)
+    kernel_shape = tuple(layer._kernel.shape)
+    c, n = math.prod(kernel_shape[:contracted]), kernel_shape[-1]
+    middle = math.prod(kernel_shape[contracted:-1])
+    rank = layer.lora_rank
+    activations_a, grads_a, activations_b, grads_b, bias_grads = [], [], [], [], []
+    for recording, grad in zip(recordings, grads):
+        a_weights, b_weights = (tf.cast(t, tf.float32) for t in recording.extras)
+        batch = tf.shape(recording.inputs)[0]
+        inputs = tf.reshape(tf.cast(recording.inputs, tf.float32), tf.stack([batch, -1, c]))
+        grad = tf.reshape(tf.cast(grad, tf.float32), tf.stack([batch, -1, middle, n]))
+        activations_a.append(inputs)
+        grads_a.append(tf.reshape(scale * tf.einsum("ptmj,rj->ptmr", grad, b_weights),
+                                  tf.stack([batch, -1, middle * rank])))
+        projected = scale * tf.einsum("ptc,cr->ptr", inputs, tf.reshape(a_weights, [c, middle * rank]))
+        activations_b.append(tf.reshape(projected, tf.stack([batch, -1, rank])))
+        grads_b.append(tf.reshape(grad, tf.stack([batch, -1, n])))
+        bias_grads.append(tf.reduce_sum(tf.reshape(grad, tf.stack([batch, -1, middle * n])), axis=1))
+    parts = [dense_contribution(activations_a, grads_a, False), dense_contribution(activations_b, grads_b, False)]
+    shapes = [tuple(layer.lora_kernel_a.shape), tuple(layer.lora_kernel_b.shape)]
+    if has_bias:
+        parts.append(materialized_contribution([tf.add_n(bias_grads)]))
+        shapes.append(tuple(layer.bias.shape))
+    return ReshapedContribution(parts, shapes)
