@@ -148,6 +148,16 @@ def single_channel_conv_model():
     return keras.Model(inputs, keras.layers.Dense(3)(merged)), np.random.randn(BATCH, 9, 9, 1).astype("float32")
 
 
+def test_single_channel_route_in_example_groups_matches_loop(monkeypatch):
+    # Large physical batches are cut into groups for the depthwise call; groups of 4 and a
+    # remainder) must give the same norms and sums as the loop.
+    from tf_dp.clipping import conv
+
+    monkeypatch.setattr(conv, "_DEPTHWISE_GROUP", 4)  # BATCH = 6: groups of 4 and 2
+    model, x = single_channel_conv_model()
+    _assert_ghost_matches_loop(model, x)
+
+
 def conv1d_model():
     inputs = keras.Input((10, 3))
     hidden = keras.layers.Conv1D(4, 3, strides=2, padding="same", activation="tanh")(inputs)
