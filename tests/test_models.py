@@ -307,14 +307,15 @@ def test_mixed_bfloat16_clips_in_float32_and_float16_is_refused():
         keras.config.set_dtype_policy("float32")
 
 
-def test_fit_trains_step_t_on_the_batch_of_step_t_across_epochs_and_fit_calls():
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_fit_trains_step_t_on_the_batch_of_step_t_across_epochs_and_fit_calls(steps_per_execution):
     # 2 fit calls of 2 epochs x 2 steps with the SAME sampling_seed equal train_step on the
     # batches of steps 0..7 of one seeded stream: Keras' iterator handling never shifts the
     # stream, and a second fit call does not replay the first call's batches.
     from tf_dp.models.data import poisson_dataset
 
     x, y = data()
-    fitted, stepped = functional(sigma=0.0), functional(sigma=0.0)
+    fitted, stepped = functional(sigma=0.0, steps_per_execution=steps_per_execution), functional(sigma=0.0)
     stepped.set_weights(fitted.get_weights())
     for _ in range(2):
         fitted.fit(x, y, batch_size=16, epochs=2, steps_per_epoch=2, sampling_seed=4, verbose=0)

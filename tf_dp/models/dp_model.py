@@ -443,14 +443,17 @@ class DPModelMixin:
 
 
 class StepsTaken(keras.callbacks.Callback):
-    """The ledger's step count as of the last finished batch, for the Poisson stream to
-    read when an iterator starts. Reading the variable itself there would race with the
-    running step's own increment (tf.data starts the generator inside the step's graph)."""
+    """The number of DP steps taken as of the last finished batch, for the Poisson stream to
+    read when an iterator starts. Read from the ledger once at the start of training (after
+    BackupAndRestore may have restored it), then counted in Python: reading the variable
+    inside a step would race with the step's own increment (tf.data starts the generator
+    inside the step's graph), and reading it after every batch would stall the pipeline."""
 
     def __init__(self, ledger: PrivacyLedger):
         super().__init__()
         self._ledger = ledger
         self._value = int(ledger.steps.numpy())
+        self._last_batch = -1
 
     def read(self) -> int:
         return self._value
@@ -458,8 +461,13 @@ class StepsTaken(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._value = int(self._ledger.steps.numpy())
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last_batch = -1
+
     def on_train_batch_end(self, batch, logs=None):
-        self._value = int(self._ledger.steps.numpy())
+        # ``batch`` is the last step of the execution (several with steps_per_execution > 1).
+        self._value += batch - self._last_batch
+        self._last_batch = batch
 
 
 def _for_multi_worker_reduce(logs: dict) -> dict:
