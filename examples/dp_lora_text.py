@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,6 +39,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
+from _timing import BatchClock, random_subset, time_steps  # noqa: E402
 from tf_dp.clipping import ghost_rule_for  # noqa: E402
 from tf_dp.data import load_tweets  # noqa: E402
 
@@ -90,20 +89,6 @@ class RunResult:
     def summary(self) -> str:
         return (f"{self.name}: params = {self.trainable_params}, ms/step = {self.ms_per_step:.1f}, "
                 f"test accuracy = {self.accuracy:.4f}, epsilon = {self.epsilon:.3f}")
-
-
-class BatchClock(keras.callbacks.Callback):
-    """Wall-clock time at the end of every training batch (ms/step = median gap)."""
-
-    def on_train_begin(self, logs=None):
-        self.times: list[float] = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter())
-
-    def ms_per_step(self) -> float:
-        gaps = np.diff(self.times)  # the first step (tracing) has no predecessor: excluded
-        return 1000 * statistics.median(gaps) if len(gaps) else float("nan")
 
 
 def transformer_classifier(vocabulary_size: int, sequence_length: int, num_classes: int) -> tf_dp.DPModel:
@@ -159,15 +144,6 @@ def count_params(variables) -> int:
     return int(sum(np.prod(v.shape) for v in variables))
 
 
-def random_subset(x: np.ndarray, y: np.ndarray, size, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``size`` rows drawn without replacement (all rows if None); the tweets split is
-    ordered by class, so a prefix would hold a single class."""
-    if size is None or size >= len(y):
-        return x, y
-    rows = np.sort(np.random.default_rng(seed).choice(len(y), size, replace=False))
-    return x[rows], y[rows]
-
-
 def compile_dp(model: tf_dp.DPModel, learning_rate: float, noise_multiplier: Optional[float] = None) -> None:
     """DP-Adam; σ calibrated to --target_epsilon unless ``noise_multiplier`` is given."""
     model.compile(
@@ -196,20 +172,6 @@ def fine_tune(variant: Variant, model: tf_dp.DPModel, train, test) -> RunResult:
     return result
 
 
-def time_steps(models: dict[str, tf_dp.DPModel], train) -> dict[str, float]:
-    """Median ms/step of each model over --timing_rounds rounds of --timing_steps steps, the
-    models taking turns (order alternating) so that load from other jobs hits both alike."""
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for round_index in range(FLAGS.timing_rounds):
-        order = list(models) if round_index % 2 == 0 else list(reversed(models))
-        for name in order:
-            clock = BatchClock()
-            models[name].fit(*train, batch_size=FLAGS.batch_size, epochs=1, steps_per_epoch=FLAGS.timing_steps + 1,
-                             sampling_seed=round_index + 1, callbacks=[clock], verbose=0)
-            times[name].append(clock.ms_per_step())
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def retime(variants: list[Variant], results: list[RunResult], make_model, initial_weights: list, train) -> None:
     """Replaces each result's ms/step by the alternating-rounds timing of a throwaway copy at
     the same σ (the trained models and their ledgers stay untouched)."""
@@ -217,7 +179,7 @@ def retime(variants: list[Variant], results: list[RunResult], make_model, initia
     for variant, result in zip(variants, results):
         copies[variant.name] = build_variant(variant, make_model, initial_weights)
         compile_dp(copies[variant.name], variant.learning_rate, noise_multiplier=result.sigma)
-    timings = time_steps(copies, train)
+    timings = time_steps(copies, train, FLAGS.batch_size, FLAGS.timing_rounds, FLAGS.timing_steps)
     for result in results:
         result.ms_per_step = timings[result.name]
     print(f"timing: median of {FLAGS.timing_rounds} alternating rounds of {FLAGS.timing_steps} steps, "

@@ -20,17 +20,15 @@ script is self-contained instead of importing it.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from typing import Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
+from _timing import BatchClock, random_subset, time_steps  # noqa: E402
 from tf_dp.data import load_fashion_mnist, load_mnist  # noqa: E402
 
 OPTIMIZERS = ("fiber", "dpadamw", "dpadambc")
@@ -52,20 +50,6 @@ flags.DEFINE_integer("timing_rounds", 3, "Timing rounds after training, optimize
 flags.DEFINE_integer("timing_steps", 20, "Steps per timing round.")
 
 
-class BatchClock(keras.callbacks.Callback):
-    """Wall-clock time at the end of every training batch (ms/step = median gap)."""
-
-    def on_train_begin(self, logs=None):
-        self.times: list[float] = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter())
-
-    def ms_per_step(self) -> float:
-        gaps = np.diff(self.times)  # the first step (tracing) has no predecessor: excluded
-        return 1000 * statistics.median(gaps) if len(gaps) else float("nan")
-
-
 def make_optimizer(name: str, seed: int, noise_multiplier: Optional[float] = None) -> keras.optimizers.Optimizer:
     """A tf_dp optimizer; σ None is left for ``compile(target_epsilon=...)`` to calibrate."""
     common = dict(l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=noise_multiplier, seed=seed)
@@ -83,14 +67,6 @@ def mlp(num_features: int, num_classes: int) -> tf_dp.DPModel:
     x = keras.layers.Dense(256, activation="relu")(inputs)
     x = keras.layers.Dense(64, activation="relu")(x)
     return tf_dp.DPModel(inputs, keras.layers.Dense(num_classes)(x))
-
-
-def random_subset(x: np.ndarray, y: np.ndarray, size, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``size`` rows drawn without replacement (all rows if None)."""
-    if size is None or size >= len(y):
-        return x, y
-    rows = np.sort(np.random.default_rng(seed).choice(len(y), size, replace=False))
-    return x[rows], y[rows]
 
 
 def compiled_model(name: str, initial_weights: list, num_features: int, num_classes: int,
@@ -120,21 +96,6 @@ def train_one(name: str, initial_weights: list, train, test, num_classes: int) -
     return result
 
 
-def time_steps(models: dict[str, tf_dp.DPModel], train) -> dict[str, float]:
-    """Median ms/step of each model over --timing_rounds rounds of --timing_steps steps; the
-    models take turns, in a rotated order each round, so that load from other jobs hits all alike."""
-    names = list(models)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(FLAGS.timing_rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            clock = BatchClock()
-            models[name].fit(*train, batch_size=FLAGS.batch_size, epochs=1, steps_per_epoch=FLAGS.timing_steps + 1,
-                             sampling_seed=round_index + 1, callbacks=[clock], verbose=0)
-            times[name].append(clock.ms_per_step())
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def final_line(results: dict[str, dict]) -> str:
     accuracies = ", ".join(f"{name} = {r['accuracy']:.4f}" for name, r in results.items())
     base = results[BASELINE]["ms_per_step"]
@@ -159,7 +120,7 @@ def main(argv):
     if FLAGS.timing_rounds:  # throwaway copies at the same σ: the trained models are left as they are
         copies = {name: compiled_model(name, initial_weights, train[0].shape[1], num_classes, r["sigma"])
                   for name, r in results.items()}
-        for name, ms in time_steps(copies, train).items():
+        for name, ms in time_steps(copies, train, FLAGS.batch_size, FLAGS.timing_rounds, FLAGS.timing_steps).items():
             results[name]["ms_per_step"] = ms
         print(f"timing: median of {FLAGS.timing_rounds} rounds of {FLAGS.timing_steps} steps, optimizers taking turns, "
               f"L = {FLAGS.batch_size}", flush=True)

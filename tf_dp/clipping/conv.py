@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tf_dp.clipping.dense import DenseContribution
 from tf_dp.clipping.layer_per_example import MaterializedContribution
-from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
+from tf_dp.clipping.registry import CombinedContribution, GhostRule, Recording, register_ghost_rule
 
 
 def _as_2d(layer, tensor: tf.Tensor) -> tf.Tensor:
@@ -92,20 +92,6 @@ def _trainable_bias(layer) -> bool:
     return layer.use_bias and layer.bias.trainable
 
 
-class ConvContribution(Contribution):
-    """The Dense contribution of the unfolded layer, with the kernel folded back."""
-
-    def __init__(self, dense: DenseContribution, kernel_shape):
-        self.dense, self.kernel_shape = dense, kernel_shape
-
-    def squared_norms(self):
-        return self.dense.squared_norms()
-
-    def weighted_sums(self, clip_factors):
-        kernel, *bias = self.dense.weighted_sums(clip_factors)
-        return [tf.reshape(kernel, self.kernel_shape), *bias]
-
-
 class ConvRule(GhostRule):
     def applies_to(self, layer) -> bool:
         return (
@@ -147,7 +133,7 @@ class ConvRule(GhostRule):
             flat_grads.append(tf.reshape(grad, tf.stack([tf.shape(grad)[0], -1, layer.filters])))
         dense = DenseContribution(tf.concat(patches, axis=1), tf.concat(flat_grads, axis=1), _trainable_bias(layer),
                                   flat=False)
-        return ConvContribution(dense, layer.kernel.shape)
+        return CombinedContribution([dense], [tuple(v.shape) for v in self.variables(layer)])
 
 
 register_ghost_rule(keras.layers.Conv1D, ConvRule())

@@ -39,7 +39,6 @@ class DenseContribution(Contribution):
             norms = tf.reduce_sum(tf.square(self.a), axis=1) * s_sq
             return norms + s_sq if self.has_bias else norms
         a, s = self.a, self.s  # [P, T, d], [P, T, k]
-        steps, d, k = a.shape[1], a.shape[2], s.shape[2]
         if self._gram_is_cheaper():
             gram = tf.einsum("ptd,pud->ptu", a, a) * tf.einsum("ptk,puk->ptu", s, s)
             norms = tf.reduce_sum(gram, axis=[1, 2])

@@ -18,7 +18,7 @@ import tensorflow as tf
 from tf_dp.clipping.dense import DenseContribution, dense_contribution
 from tf_dp.clipping.layer_per_example import MaterializedContribution
 from tf_dp.clipping.lora import einsum_lora_contribution
-from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
+from tf_dp.clipping.registry import CombinedContribution, GhostRule, Recording, register_ghost_rule
 
 
 def dense_form(equation: str) -> Optional[tuple[int, int]]:
@@ -42,18 +42,6 @@ def dense_form(equation: str) -> Optional[tuple[int, int]]:
 
 def _lora(layer) -> bool:
     return getattr(layer, "lora_enabled", False)
-
-
-class EinsumDenseContribution(Contribution):
-    def __init__(self, dense: DenseContribution, kernel_shape, bias_shape):
-        self.dense, self.kernel_shape, self.bias_shape = dense, kernel_shape, bias_shape
-
-    def squared_norms(self):
-        return self.dense.squared_norms()
-
-    def weighted_sums(self, clip_factors):
-        kernel, *bias = self.dense.weighted_sums(clip_factors)
-        return [tf.reshape(kernel, self.kernel_shape)] + [tf.reshape(b, self.bias_shape) for b in bias]
 
 
 class EinsumDenseRule(GhostRule):
@@ -102,8 +90,7 @@ class EinsumDenseRule(GhostRule):
             grads.append(tf.reshape(grad, tf.stack([batch, -1, k])))
         dense = DenseContribution(tf.concat(activations, axis=1), tf.concat(grads, axis=1), self._has_bias(layer),
                                   flat=False)
-        bias_shape = tuple(layer.bias.shape) if layer.bias is not None else None
-        return EinsumDenseContribution(dense, kernel_shape, bias_shape)
+        return CombinedContribution([dense], [tuple(v.shape) for v in self.variables(layer)])
 
 
 register_ghost_rule(keras.layers.EinsumDense, EinsumDenseRule())

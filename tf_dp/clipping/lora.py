@@ -17,7 +17,7 @@ import math
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.registry import Contribution, Recording
+from tf_dp.clipping.registry import CombinedContribution, Contribution, Recording
 
 
 def _scale(layer) -> float:
@@ -36,18 +36,7 @@ def lora_tapped_call(layer, inputs):
     return z, Recording(inputs, [z], extras=(a, b))
 
 
-class LoRAContribution(Contribution):
-    def __init__(self, kernel_a: Contribution, kernel_b: Contribution):
-        self.kernel_a, self.kernel_b = kernel_a, kernel_b
-
-    def squared_norms(self):
-        return self.kernel_a.squared_norms() + self.kernel_b.squared_norms()
-
-    def weighted_sums(self, clip_factors):
-        return self.kernel_a.weighted_sums(clip_factors) + self.kernel_b.weighted_sums(clip_factors)
-
-
-def lora_contribution(layer, recordings, grads, has_bias: bool, dense_contribution) -> LoRAContribution:
+def lora_contribution(layer, recordings, grads, has_bias: bool, dense_contribution) -> Contribution:
     """``dense_contribution(activations, output_grads, has_bias)`` builds the Dense form."""
     scale = _scale(layer)
     activations_a, grads_a, activations_b = [], [], []
@@ -57,22 +46,10 @@ def lora_contribution(layer, recordings, grads, has_bias: bool, dense_contributi
         activations_a.append(inputs)
         grads_a.append(scale * tf.matmul(grad, b, transpose_b=True))
         activations_b.append(scale * tf.matmul(inputs, a))
-    return LoRAContribution(dense_contribution(activations_a, grads_a, False),
-                            dense_contribution(activations_b, grads, has_bias))
-
-
-class ReshapedContribution(Contribution):
-    """A contribution whose weighted sums are reshaped to the variables' shapes."""
-
-    def __init__(self, parts: list, shapes: list):
-        self.parts, self.shapes = parts, shapes
-
-    def squared_norms(self):
-        return tf.add_n([part.squared_norms() for part in self.parts])
-
-    def weighted_sums(self, clip_factors):
-        sums = [s for part in self.parts for s in part.weighted_sums(clip_factors)]
-        return [tf.reshape(s, shape) for s, shape in zip(sums, self.shapes)]
+    variables = lora_variables(layer, has_bias)
+    return CombinedContribution([dense_contribution(activations_a, grads_a, False),
+                                 dense_contribution(activations_b, grads, has_bias)],
+                                [tuple(v.shape) for v in variables])
 
 
 def einsum_lora_contribution(layer, recordings, grads, contracted: int, has_bias: bool, dense_contribution,
@@ -108,4 +85,4 @@ def einsum_lora_contribution(layer, recordings, grads, contracted: int, has_bias
     if has_bias:
         parts.append(materialized_contribution([tf.add_n(bias_grads)]))
         shapes.append(tuple(layer.bias.shape))
-    return ReshapedContribution(parts, shapes)
+    return CombinedContribution(parts, shapes)

@@ -40,6 +40,21 @@ class Contribution(abc.ABC):
         """Σ_i c_i ∂ℓ_i/∂θ for each of the rule's variables, in ``GhostRule.variables`` order."""
 
 
+class CombinedContribution(Contribution):
+    """Several contributions of one layer (e.g. LoRA's A and B parts): their squared norms
+    add up, and their weighted sums, in order, are reshaped to the variables' shapes."""
+
+    def __init__(self, parts: list[Contribution], shapes: list):
+        self.parts, self.shapes = parts, shapes
+
+    def squared_norms(self):
+        return tf.add_n([part.squared_norms() for part in self.parts])
+
+    def weighted_sums(self, clip_factors):
+        sums = [s for part in self.parts for s in part.weighted_sums(clip_factors)]
+        return [tf.reshape(s, shape) for s, shape in zip(sums, self.shapes)]
+
+
 class GhostRule(abc.ABC):
     """How to tap one layer class. Subclass and register for custom layers."""
 
