@@ -242,6 +242,26 @@ def test_nonfinite_example_contributes_zero_and_is_counted():
         assert float(result.nonfinite_count(tf.ones(BATCH))) == 1.0
 
 
+@pytest.mark.parametrize("build", MODELS + [conv_model, single_channel_conv_model, layer_norm_model],
+                         ids=lambda f: f.__name__)
+def test_nan_example_adds_zero_in_every_rule(build):
+    # Example 0's loss is NaN, so every layer's output gradients (ghost forms, explicit
+    # products, depthwise route, per-example fallback) hold NaN in row 0: its clip factor is 0
+    # and the sums must equal the clean sums over examples 1..5 exactly (0 · NaN must not leak).
+    model, x = build()
+    y = np.random.randint(0, 3, BATCH).astype("int32")
+    poison = tf.constant([np.nan] + [1.0] * (BATCH - 1))
+
+    def poisoned_ce(labels, logits):
+        return sparse_ce(labels, logits) * poison[:tf.shape(labels)[0]]
+
+    clean = clipped_gradient_sum(model, sparse_ce, tf.constant(x[1:]), tf.constant(y[1:]), tf.ones(BATCH - 1), 0.5)
+    result = clipped_gradient_sum(model, poisoned_ce, tf.constant(x), tf.constant(y), tf.ones(BATCH), 0.5)
+    for got, want in zip(result.clipped_sums, clean.clipped_sums):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    assert float(result.nonfinite_count(tf.ones(BATCH))) == 1.0
+
+
 @pytest.mark.parametrize("freeze", ["lora", "bias", "layer_norm_beta"])
 def test_frozen_weights_do_not_enter_per_example_norms(freeze):
     inputs = keras.Input((8,))

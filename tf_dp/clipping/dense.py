@@ -16,7 +16,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.clip import drop_rows
+from tf_dp.clipping.clip import sum_over_examples
 from tf_dp.clipping.lora import lora_contribution, lora_tapped_call, lora_variables
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
 
@@ -61,20 +61,20 @@ class DenseContribution(Contribution):
     def weighted_sums(self, clip_factors):
         c = tf.cast(clip_factors, self.s.dtype)
         if not self.flat and not self._gram_is_cheaper():  # Σ_i c_i (A_iᵀS_i) from the stored products
-            kernel = tf.tensordot(c, drop_rows(self._per_example_kernel_grads(), c), axes=1)
-            bias = [tf.reduce_sum(drop_rows(self.s, c) * c[:, None, None], axis=[0, 1])] if self.has_bias else []
-            return [kernel, *bias]
-        a, s = drop_rows(self.a, c), drop_rows(self.s, c)
-        if self.flat:
-            weighted_s = s * c[:, None]
-            kernel = tf.matmul(a, weighted_s, transpose_a=True)
-            return [kernel, tf.reduce_sum(weighted_s, axis=0)] if self.has_bias else [kernel]
-        weighted_s = s * c[:, None, None]
-        d, k = tf.shape(a)[-1], tf.shape(s)[-1]
-        kernel = tf.matmul(tf.reshape(a, [-1, d]), tf.reshape(weighted_s, [-1, k]), transpose_a=True)
-        if self.has_bias:
-            return [kernel, tf.reduce_sum(weighted_s, axis=[0, 1])]
-        return [kernel]
+            return sum_over_examples(self._sum_of_products, c, self._per_example_kernel_grads(), self.s)
+        return sum_over_examples(self._weighted_matmul, c, self.a, self.s)
+
+    def _sum_of_products(self, c, kernel_grads, s):
+        kernel = tf.tensordot(c, kernel_grads, axes=1)
+        return [kernel, tf.reduce_sum(s * c[:, None, None], axis=[0, 1])] if self.has_bias else [kernel]
+
+    def _weighted_matmul(self, c, a, s):
+        """Σ_i c_i A_iᵀS_i = Aᵀ (c ⊙ S), one matmul over all examples and positions."""
+        weighted_s = s * (c[:, None] if self.flat else c[:, None, None])
+        if not self.flat:
+            a, weighted_s = tf.reshape(a, [-1, tf.shape(a)[-1]]), tf.reshape(weighted_s, [-1, tf.shape(s)[-1]])
+        kernel = tf.matmul(a, weighted_s, transpose_a=True)
+        return [kernel, tf.reduce_sum(weighted_s, axis=0)] if self.has_bias else [kernel]
 
 
 def trainable_bias(layer) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.clip import drop_rows
+from tf_dp.clipping.clip import sum_over_examples
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
 
 
@@ -26,13 +26,12 @@ class EmbeddingContribution(Contribution):
         return tf.reduce_sum(same_id * tf.einsum("ptk,puk->ptu", self.s, self.s), axis=[1, 2])
 
     def weighted_sums(self, clip_factors):
-        c = tf.cast(clip_factors, self.s.dtype)
-        weighted_s = drop_rows(self.s, c) * c[:, None, None]
-        k = tf.shape(self.s)[-1]
-        table = tf.math.unsorted_segment_sum(
-            tf.reshape(weighted_s, [-1, k]), tf.reshape(self.ids, [-1]), self.vocabulary_size
-        )
-        return [table]
+        return sum_over_examples(self._scatter, tf.cast(clip_factors, self.s.dtype), self.s)
+
+    def _scatter(self, c, s):
+        weighted_s = s * c[:, None, None]
+        return [tf.math.unsorted_segment_sum(tf.reshape(weighted_s, [-1, tf.shape(s)[-1]]), tf.reshape(self.ids, [-1]),
+                                             self.vocabulary_size)]
 
 
 class EmbeddingRule(GhostRule):

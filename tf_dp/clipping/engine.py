@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.clip import clip_factors, drop_rows
+from tf_dp.clipping.clip import clip_factors, weighted_row_sum
 from tf_dp.clipping.per_example import per_example_gradients
 from tf_dp.clipping.tap import LayerTap
 
@@ -118,7 +118,7 @@ def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points) -> Cl
         grads = at_point if grads is None else [a + b for a, b in zip(grads, at_point)]
     squared_norms = tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in grads])
     factors = clip_factors(squared_norms, l2_norm_clip, mask)
-    sums = [tf.tensordot(tf.cast(factors, g.dtype), drop_rows(g, factors), axes=1) for g in grads]
+    sums = [weighted_row_sum(factors, g) for g in grads]
     _, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
     return ClippedBatch(sums, y_pred, losses, squared_norms)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.clip import drop_rows
+from tf_dp.clipping.clip import weighted_row_sum
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording
 
 
@@ -30,8 +30,7 @@ class MaterializedContribution(Contribution):
         return tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in self.per_example_grads])
 
     def weighted_sums(self, clip_factors):
-        return [tf.tensordot(tf.cast(clip_factors, g.dtype), drop_rows(g, clip_factors), axes=1)
-                for g in self.per_example_grads]
+        return [weighted_row_sum(clip_factors, g) for g in self.per_example_grads]
 
 
 class LayerPerExampleRule(GhostRule):
