@@ -283,6 +283,26 @@ def test_frozen_weights_do_not_enter_per_example_norms(freeze):
         np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), loop, rtol=1e-4, err_msg=engine)
 
 
+def test_lora_embedding_ghost_rule_matches_loop():
+    """LoRA on an Embedding called twice (shared; repeated ids within an example exercise
+    the cross terms of both adapter forms), next to a LoRA Dense on the sequence."""
+    inputs = keras.Input((5,), dtype="int32")
+    embedding = keras.layers.Embedding(11, 6)
+    dense = keras.layers.Dense(4, activation="tanh")
+    hidden = keras.layers.Concatenate(axis=1)([embedding(inputs), embedding(10 - inputs)])
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(dense(hidden)))
+    model = keras.Model(inputs, outputs)
+    for layer in (embedding, dense):
+        layer.enable_lora(2, lora_alpha=3)
+    embedding.lora_embeddings_b.assign(np.random.randn(2, 6).astype("float32"))
+    dense.lora_kernel_b.assign(np.random.randn(2, 4).astype("float32"))
+    ids = np.random.randint(0, 11, (BATCH, 5)).astype("int32")
+    ids[0, :3] = 4
+    assert {"lora_embeddings_a", "lora_embeddings_b"} <= {v.name for v in model.trainable_variables}
+    assert ghost_rule_for(embedding) is not None
+    _assert_ghost_matches_loop(model, ids)
+
+
 def test_lora_einsum_dense_ghost_rule_matches_loop():
     """LoRA on every EinsumDense of a MultiHeadAttention block (query/key/value: kernel
     [d, heads, key_dim]; output: [heads, key_dim, d]) and on a plain EinsumDense."""

@@ -1,4 +1,4 @@
-"""Ghost rule for ``keras.layers.Embedding``.
+"""Ghost rule for ``keras.layers.Embedding`` (LoRA-enabled ones: lora.py).
 
 z_it = E[id_it]. The per-example gradient of the table is Σ_t e_{id_it} s_itᵀ, so
 
@@ -13,6 +13,8 @@ import keras
 import tensorflow as tf
 
 from tf_dp.clipping.clip import sum_over_examples
+from tf_dp.clipping.dense import dense_contribution
+from tf_dp.clipping.lora import lora_embedding_contribution, lora_embedding_tapped_call
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
 
 
@@ -34,25 +36,37 @@ class EmbeddingContribution(Contribution):
                                              self.vocabulary_size)]
 
 
+def _lora(layer) -> bool:
+    return getattr(layer, "lora_enabled", False)
+
+
 class EmbeddingRule(GhostRule):
+    """Embedding, and LoRA-enabled Embedding (adapters A, B trainable, E₀ frozen; see lora.py)."""
+
     def applies_to(self, layer) -> bool:
         return (
-            not getattr(layer, "lora_enabled", False)
-            and getattr(layer, "quantization_mode", None) is None
+            getattr(layer, "quantization_mode", None) is None
             and not getattr(layer, "sparse", False)
-            and getattr(getattr(layer, "_embeddings", None), "trainable", True)
+            and (_lora(layer) or getattr(getattr(layer, "_embeddings", None), "trainable", True))
         )
 
     def variables(self, layer):
-        return [layer.embeddings]
+        return [layer.lora_embeddings_a, layer.lora_embeddings_b] if _lora(layer) else [layer.embeddings]
 
     def tapped_call(self, layer, original_call, recordings, inputs):
         ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
-        z = keras.ops.take(layer.embeddings, ids, axis=0)
-        recordings.append(Recording(ids, [z]))
+        if _lora(layer):
+            z, recording = lora_embedding_tapped_call(layer, ids)
+        else:
+            z = keras.ops.take(layer.embeddings, ids, axis=0)
+            recording = Recording(ids, [z])
+        recordings.append(recording)
         return keras.ops.cast(z, layer.compute_dtype)
 
     def contribution(self, layer, recordings, output_grads):
+        if _lora(layer):
+            grads = [tf.zeros_like(r.watched[0]) if g is None else g for r, (g,) in zip(recordings, output_grads)]
+            return lora_embedding_contribution(layer, recordings, grads, EmbeddingContribution, dense_contribution)
         ids, grads = [], []
         for recording, (grad,) in zip(recordings, output_grads):
             batch = tf.shape(recording.inputs)[0]

@@ -1,4 +1,5 @@
-"""Ghost rule for LoRA-enabled ``Dense`` layers (``layer.enable_lora(rank)``).
+"""Ghost rules for LoRA-enabled ``Dense``, ``EinsumDense`` and ``Embedding`` layers
+(``layer.enable_lora(rank)``).
 
 z = a (W₀ + s·A B) + b with W₀ frozen, A ∈ R^{d×r}, B ∈ R^{r×k}, s = alpha/rank. With
 per-example activations a_i [T, d] and output gradients g_i [T, k]:
@@ -86,3 +87,33 @@ def einsum_lora_contribution(layer, recordings, grads, contracted: int, has_bias
         parts.append(materialized_contribution([tf.add_n(bias_grads)]))
         shapes.append(tuple(layer.bias.shape))
     return CombinedContribution(parts, shapes)
+
+
+def lora_embedding_tapped_call(layer, ids):
+    a, b = keras.ops.convert_to_tensor(layer.lora_embeddings_a), keras.ops.convert_to_tensor(layer.lora_embeddings_b)
+    z = keras.ops.take(layer.embeddings, ids, axis=0)  # rows of E₀ + s·A B, as Keras computes them
+    return z, Recording(ids, [z], extras=(a, b))
+
+
+def lora_embedding_contribution(layer, recordings, grads, embedding_contribution, dense_contribution) -> Contribution:
+    """LoRA on an Embedding: z_t = E₀[id_t] + s·A[id_t] B with E₀ frozen, A ∈ R^{V×r},
+    B ∈ R^{r×k}. Per example, with output gradients g_t:
+
+        ∂ℓ/∂A = Σ_t e_{id_t} (s · g_t Bᵀ)ᵀ    (Embedding form: ids, gradients s·g_t Bᵀ)
+        ∂ℓ/∂B = Σ_t (s · A[id_t])ᵀ g_t         (Dense form: activations s·A[id_t], gradients g_t)
+
+    ``embedding_contribution(ids, output_grads, vocabulary_size)`` builds the Embedding form."""
+    scale = _scale(layer)
+    ids, grads_a, activations_b, grads_b = [], [], [], []
+    for recording, grad in zip(recordings, grads):
+        a, b = (tf.cast(t, tf.float32) for t in recording.extras)
+        batch = tf.shape(recording.inputs)[0]
+        example_ids = tf.reshape(tf.cast(recording.inputs, tf.int64), tf.stack([batch, -1]))
+        grad = tf.reshape(tf.cast(grad, tf.float32), tf.stack([batch, -1, tf.shape(grad)[-1]]))
+        ids.append(example_ids)
+        grads_a.append(scale * tf.einsum("ptk,rk->ptr", grad, b))
+        activations_b.append(scale * tf.gather(a, example_ids))
+        grads_b.append(grad)
+    parts = [embedding_contribution(tf.concat(ids, axis=1), tf.concat(grads_a, axis=1), layer.input_dim),
+             dense_contribution(activations_b, grads_b, False)]
+    return CombinedContribution(parts, [tuple(layer.lora_embeddings_a.shape), tuple(layer.lora_embeddings_b.shape)])
