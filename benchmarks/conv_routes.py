@@ -1,0 +1,116 @@
+"""ms of each exact route to per-example convolution gradients, against the batch filter
+gradient a non-private step computes instead, per Conv2D layer of the tutorial CNN.
+
+    python benchmarks/conv_routes.py                    # batch 256
+    python benchmarks/conv_routes.py --batch_size=1024
+
+Routes (all exact): tf_dp's depthwise route (C_in = 1 only), unfolded patches with
+explicit A_iᵀS_i (tf_dp's Dense rule), unfolded patches with Gram-form norms, and a
+grouped convolution's filter gradient with the examples as groups. The ratio to the batch
+filter gradient bounds what any of them can reach inside a DP step on this machine.
+Rounds alternate the routes; medians are reported. Prints a Markdown table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from step_time import cnn  # noqa: E402
+from tf_dp.clipping import conv  # noqa: E402
+from tf_dp.clipping.dense import DenseContribution  # noqa: E402
+
+FLAGS = flags.FLAGS  # --batch_size, --rounds and --output are step_time's flags
+flags.DEFINE_integer("calls", 30, "Calls per timing.")
+FLAGS.set_default("rounds", 7)
+FLAGS.set_default("output", "benchmarks/results/conv_routes.json")
+
+
+def _batch_filter_gradient(layer, x, s):
+    (kh, kw), strides, _ = conv._window(layer)
+    return tf.compat.v1.nn.conv2d_backprop_filter(x, [kh, kw, x.shape[-1], layer.filters], s,
+                                                  [1, *strides, 1], layer.padding.upper())
+
+
+def _explicit(layer, x, s):
+    return DenseContribution(conv._patches(layer, x), tf.reshape(s, [x.shape[0], -1, layer.filters]), False,
+                             flat=False)._per_example_kernel_grads()
+
+
+def _gram_norms(layer, x, s):
+    a, g = conv._patches(layer, x), tf.reshape(s, [x.shape[0], -1, layer.filters])
+    return tf.reduce_sum(tf.einsum("ptd,pud->ptu", a, a) * tf.einsum("ptk,puk->ptu", g, g), axis=[1, 2])
+
+
+def _grouped(layer, x, s):
+    """Examples as the groups of one grouped convolution: its filter gradient is the stack."""
+    (kh, kw), strides, _ = conv._window(layer)
+    examples, channels = x.shape[0], x.shape[-1]
+    image = tf.reshape(tf.transpose(x, [1, 2, 0, 3]), [1, x.shape[1], x.shape[2], examples * channels])
+    grads = tf.reshape(tf.transpose(s, [1, 2, 0, 3]), [1, s.shape[1], s.shape[2], examples * layer.filters])
+    return tf.compat.v1.nn.conv2d_backprop_filter(image, [kh, kw, channels, examples * layer.filters], grads,
+                                                  [1, *strides, 1], layer.padding.upper())
+
+
+ROUTES = {
+    "batch filter gradient (non-private)": _batch_filter_gradient,
+    "depthwise (tf_dp, C_in = 1)": lambda layer, x, s: conv._single_channel_kernel_grads(layer, x, s),
+    "patches + explicit A_iᵀS_i (tf_dp)": _explicit,
+    "patches + Gram norms": _gram_norms,
+    "grouped conv filter gradient": _grouped,
+}
+
+
+def _ms(function, x, s):
+    function(x, s).numpy()
+    start = time.perf_counter()
+    for _ in range(FLAGS.calls):
+        result = function(x, s)
+    result.numpy()
+    return (time.perf_counter() - start) / FLAGS.calls * 1000
+
+
+def _layer_inputs(model):
+    """(layer, input, output gradient) for every Conv2D, random values of the right shapes."""
+    cases = []
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.Conv2D):
+            x = tf.random.normal([FLAGS.batch_size, *layer.input.shape[1:]])
+            cases.append((layer, x, tf.random.normal(layer.compute_output_shape(x.shape))))
+    return cases
+
+
+def main(argv):
+    del argv
+    model = keras.Model(*cnn())
+    rows = []
+    print(f"batch {FLAGS.batch_size}, {os.cpu_count()} cores, median of {FLAGS.rounds} alternating rounds\n")
+    print("| layer | route | ms | / batch filter gradient |\n|---|---|---|---|")
+    for layer, x, s in _layer_inputs(model):
+        routes = {name: tf.function(lambda x, s, f=f: f(layer, x, s)) for name, f in ROUTES.items()
+                  if "depthwise" not in name or x.shape[-1] == 1}
+        times = {name: [] for name in routes}
+        for _ in range(FLAGS.rounds):
+            for name, function in routes.items():
+                times[name].append(_ms(function, x, s))
+        base = times["batch filter gradient (non-private)"]
+        for name, measured in times.items():
+            ratio = statistics.median(t / b for t, b in zip(measured, base))
+            rows.append({"layer": layer.name, "input": list(x.shape), "route": name,
+                         "ms": statistics.median(measured), "ratio": ratio})
+            print(f"| {layer.name} {tuple(x.shape[1:])} | {name} | {rows[-1]['ms']:.2f} | {ratio:.2f}x |", flush=True)
+    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
+    with open(FLAGS.output, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "batch_size": FLAGS.batch_size, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
