@@ -4,9 +4,10 @@ gradient a non-private step computes instead, per Conv2D layer of the tutorial C
     python benchmarks/conv_routes.py                    # batch 256
     python benchmarks/conv_routes.py --batch_size=1024
 
-Routes (all exact): tf_dp's depthwise route (C_in = 1 only), unfolded patches with
-explicit A_iᵀS_i (tf_dp's Dense rule), unfolded patches with Gram-form norms, and a
-grouped convolution's filter gradient with the examples as groups. The ratio to the batch
+Routes (all exact): a grouped convolution's filter gradient with the examples as groups
+(tf_dp's route where the per-example gradients fit in memory), a depthwise filter gradient
+with the examples as channels (C_in = 1 only; tf_dp's earlier route), unfolded patches with
+explicit A_iᵀS_i and with Gram-form norms (tf_dp's route beyond the memory budget). The ratio to the batch
 filter gradient bounds what any of them can reach inside a DP step on this machine.
 Rounds alternate the routes; medians are reported. Prints a Markdown table, writes JSON.
 """
@@ -50,22 +51,22 @@ def _gram_norms(layer, x, s):
     return tf.reduce_sum(tf.einsum("ptd,pud->ptu", a, a) * tf.einsum("ptk,puk->ptu", g, g), axis=[1, 2])
 
 
-def _grouped(layer, x, s):
-    """Examples as the groups of one grouped convolution: its filter gradient is the stack."""
+def _depthwise(layer, x, s):
+    """C_in = 1: the examples as the channels of one image, a depthwise filter gradient."""
     (kh, kw), strides, _ = conv._window(layer)
-    examples, channels = x.shape[0], x.shape[-1]
-    image = tf.reshape(tf.transpose(x, [1, 2, 0, 3]), [1, x.shape[1], x.shape[2], examples * channels])
-    grads = tf.reshape(tf.transpose(s, [1, 2, 0, 3]), [1, s.shape[1], s.shape[2], examples * layer.filters])
-    return tf.compat.v1.nn.conv2d_backprop_filter(image, [kh, kw, channels, examples * layer.filters], grads,
-                                                  [1, *strides, 1], layer.padding.upper())
+    image = tf.transpose(x, [3, 1, 2, 0])
+    grads = tf.reshape(tf.transpose(s, [1, 2, 0, 3]), [1, s.shape[1], s.shape[2], -1])
+    stacked = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
+        image, [kh, kw, x.shape[0], layer.filters], grads, [1, *strides, 1], layer.padding.upper())
+    return tf.transpose(stacked, [2, 0, 1, 3])
 
 
 ROUTES = {
     "batch filter gradient (non-private)": _batch_filter_gradient,
-    "depthwise (tf_dp, C_in = 1)": lambda layer, x, s: conv._single_channel_kernel_grads(layer, x, s),
-    "patches + explicit A_iᵀS_i (tf_dp)": _explicit,
+    "grouped conv filter gradient (tf_dp)": lambda layer, x, s: conv._per_example_kernel_grads(layer, x, s),
+    "depthwise filter gradient (C_in = 1)": _depthwise,
+    "patches + explicit A_iᵀS_i": _explicit,
     "patches + Gram norms": _gram_norms,
-    "grouped conv filter gradient": _grouped,
 }
 
 

@@ -148,14 +148,47 @@ def single_channel_conv_model():
     return keras.Model(inputs, keras.layers.Dense(3)(merged)), np.random.randn(BATCH, 9, 9, 1).astype("float32")
 
 
-def test_single_channel_route_in_example_groups_matches_loop(monkeypatch):
-    # Large physical batches are cut into groups for the depthwise call; groups of 4 and a
-    # remainder) must give the same norms and sums as the loop.
+@pytest.mark.parametrize("build", [single_channel_conv_model, conv_model], ids=lambda f: f.__name__)
+def test_grouped_route_in_example_groups_matches_loop(monkeypatch, build):
+    # Large physical batches are cut into groups of examples for the grouped-convolution
+    # call; groups of 4 and a remainder must give the same norms and sums as the loop.
     from tf_dp.clipping import conv
 
-    monkeypatch.setattr(conv, "_DEPTHWISE_GROUP", 4)  # BATCH = 6: groups of 4 and 2
-    model, x = single_channel_conv_model()
+    monkeypatch.setattr(conv, "_EXAMPLES_PER_CALL", 4)  # BATCH = 6: groups of 4 and 2
+    model, x = build()
     _assert_ghost_matches_loop(model, x)
+
+
+def test_unfolded_route_beyond_the_memory_budget_matches_loop(monkeypatch):
+    # Per-example kernel gradients over the budget: unfolded patches (Gram / explicit forms).
+    from tf_dp.clipping import conv
+
+    monkeypatch.setattr(conv, "_EXPLICIT_FLOATS", 0)
+    for build in (conv_model, single_channel_conv_model):
+        model, x = build()
+        _assert_ghost_matches_loop(model, x)
+
+
+def test_conv_rules_under_xla_match_graph_mode(monkeypatch):
+    # Under XLA the conv rule takes the unfolded route (the grouped filter gradient's XLA CPU
+    # kernel is pathologically slow); both routes must give the same norms and sums.
+    from tf_dp.clipping import conv
+
+    routes = []
+    choose = conv._uses_grouped_route
+    monkeypatch.setattr(conv, "_uses_grouped_route", lambda *args: routes.append(choose(*args)) or routes[-1])
+    for build in (conv_model, single_channel_conv_model):
+        model, x = build()
+        y = np.random.randint(0, 3, BATCH).astype("int32")
+
+        def clipped(x, y):
+            result = clipped_gradient_sum(model, sparse_ce, x, y, tf.ones(BATCH), 0.5)
+            return result.squared_norms, result.clipped_sums
+
+        graph, xla = tf.function(clipped)(x, y), tf.function(clipped, jit_compile=True)(x, y)
+        for a, b in zip(tf.nest.flatten(graph), tf.nest.flatten(xla)):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
+    assert True in routes and False in routes
 
 
 def conv1d_model():

@@ -6,10 +6,11 @@ patch a_it ∈ R^{kh·kw·C_in}: z_it = a_it W + b with W the kernel reshaped to
 positions, and picks per layer between the Gram form (T²(d+k)) and explicit per-example
 A_iᵀS_i (T·d·k), as mixed ghost clipping does.
 
-Single-channel inputs (C_in = 1, typically the first layer on images) skip the unfolding,
-which is slow there: with the examples laid out as the channels of ONE image, the filter
-gradient of a depthwise convolution is exactly the stack of per-example kernel gradients
-A_iᵀS_i, in one call of the platform's convolution kernel.
+Unfolding is slow on CPU (``extract_patches`` of the tutorial CNN's layers cost more than
+their convolutions), so where the per-example kernel gradients fit in memory they are
+taken without it: with the examples as the groups of ONE grouped convolution, its filter
+gradient is exactly the stack of the A_iᵀS_i, in one call of the platform's convolution
+kernel (``python benchmarks/conv_routes.py`` times every route).
 """
 
 from __future__ import annotations
@@ -44,32 +45,43 @@ def _patches(layer, inputs: tf.Tensor) -> tf.Tensor:
     return tf.reshape(patches, tf.stack([tf.shape(patches)[0], -1, tf.shape(patches)[-1]]))
 
 
-_DEPTHWISE_GROUP = 256  # examples per depthwise call: its cost grew 5.4x from 256 to 1024 examples
+_EXAMPLES_PER_CALL = 256  # one call's cost grew 5.4x from 256 to 1024 examples (C_in = 1)
+_EXPLICIT_FLOATS = 2 ** 26  # per-example kernel gradients held explicitly up to 256 MB
 
 
-def _single_channel_kernel_grads(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
-    """Per-example kernel gradients, in groups of at most _DEPTHWISE_GROUP examples."""
+def _per_example_kernel_grads(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
+    """∂ℓ_i/∂W = A_iᵀS_i of every example, [P, *kernel shape], in groups of at most
+    _EXAMPLES_PER_CALL examples."""
     examples = inputs.shape[0]
-    if examples is None or examples <= _DEPTHWISE_GROUP:
-        return _depthwise_kernel_grads(layer, inputs, grads)
-    sizes = [_DEPTHWISE_GROUP] * (examples // _DEPTHWISE_GROUP) + ([examples % _DEPTHWISE_GROUP] if examples % _DEPTHWISE_GROUP else [])
-    return tf.concat([_depthwise_kernel_grads(layer, a, g)
+    if examples is None or examples <= _EXAMPLES_PER_CALL:
+        return _grouped_filter_gradient(layer, inputs, grads)
+    sizes = [_EXAMPLES_PER_CALL] * (examples // _EXAMPLES_PER_CALL) + (
+        [examples % _EXAMPLES_PER_CALL] if examples % _EXAMPLES_PER_CALL else [])
+    return tf.concat([_grouped_filter_gradient(layer, a, g)
                       for a, g in zip(tf.split(inputs, sizes), tf.split(grads, sizes))], axis=0)
 
 
-def _depthwise_kernel_grads(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
-    """∂ℓ_i/∂W = A_iᵀS_i of every example, [P, *kernel shape], for C_in = 1: the examples
-    become the P channels of one image, and the gradient of a depthwise convolution with
-    channel multiplier C_out w.r.t. its [kh, kw, P, C_out] filter is the per-example stack."""
+def _grouped_filter_gradient(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
+    """Per-example kernel gradients from ONE grouped convolution: the P examples laid side
+    by side as the P groups of a single image with P·C_in channels (group p: example p's
+    channels, mapped to its own C_out outputs). The filter gradient of that convolution,
+    [kh, kw, C_in, P·C_out], is exactly the stack of the A_iᵀS_i (for C_in = 1 it is a
+    depthwise convolution)."""
     inputs, grads = _as_2d(layer, tf.cast(inputs, tf.float32)), _as_2d(layer, tf.cast(grads, tf.float32))
-    examples = tf.shape(inputs)[0]
+    examples, channels = tf.shape(inputs)[0], tf.shape(inputs)[-1]
     (kh, kw), (sh, sw), _ = _window(layer)
-    shape = tf.shape(grads)
-    image = tf.transpose(inputs, [3, 1, 2, 0])  # [1, H, W, P]
-    out_grad = tf.reshape(tf.transpose(grads, [1, 2, 0, 3]), tf.stack([1, shape[1], shape[2], -1]))  # channel p·C_out + k
-    filter_grad = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
-        image, tf.stack([kh, kw, examples, layer.filters]), out_grad, [1, sh, sw, 1], layer.padding.upper())
-    return tf.reshape(tf.transpose(filter_grad, [2, 0, 1, 3]), tf.concat([[examples], layer.kernel.shape], axis=0))
+    image = _examples_as_channels(inputs)
+    out_grad = _examples_as_channels(grads)
+    filter_grad = tf.compat.v1.nn.conv2d_backprop_filter(
+        image, tf.stack([kh, kw, channels, examples * layer.filters]), out_grad, [1, sh, sw, 1], layer.padding.upper())
+    filter_grad = tf.reshape(filter_grad, tf.stack([kh, kw, channels, examples, layer.filters]))
+    return tf.reshape(tf.transpose(filter_grad, [3, 0, 1, 2, 4]), tf.concat([[examples], layer.kernel.shape], axis=0))
+
+
+def _examples_as_channels(tensor: tf.Tensor) -> tf.Tensor:
+    """[P, H, W, C] -> [1, H, W, P·C], channel p·C + c."""
+    shape = tf.shape(tensor)
+    return tf.reshape(tf.transpose(tensor, [1, 2, 0, 3]), tf.stack([1, shape[1], shape[2], shape[0] * shape[3]]))
 
 
 def _compiling_with_xla() -> bool:
@@ -81,11 +93,13 @@ def _compiling_with_xla() -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
 
-def _uses_depthwise_route(layer) -> bool:
-    """Single-channel, undilated, and not under XLA: XLA's CPU depthwise filter gradient
-    with P channels took 8.9 s for the tutorial CNN's step (graph mode: 4.4 ms)."""
-    return (layer.kernel.shape[-2] == 1 and all(rate == 1 for rate in _window(layer)[2])
-            and not _compiling_with_xla())
+def _uses_grouped_route(layer, examples) -> bool:
+    """Undilated, per-example kernel gradients that fit _EXPLICIT_FLOATS, and not under
+    XLA (its CPU kernel for the C_in = 1 case took 8.9 s for the tutorial CNN's step; graph
+    mode 4.4 ms). Otherwise: unfolded patches (Gram or explicit form by cost)."""
+    examples = _EXAMPLES_PER_CALL if examples is None else examples
+    fits = examples * layer.kernel.shape.num_elements() <= _EXPLICIT_FLOATS
+    return fits and all(rate == 1 for rate in _window(layer)[2]) and not _compiling_with_xla()
 
 
 def _trainable_bias(layer) -> bool:
@@ -116,8 +130,8 @@ class ConvRule(GhostRule):
 
     def contribution(self, layer, recordings, output_grads):
         grads = [tf.zeros_like(r.watched[0]) if g is None else g for r, (g,) in zip(recordings, output_grads)]
-        if _uses_depthwise_route(layer):
-            kernel = tf.add_n([_single_channel_kernel_grads(layer, r.inputs, g) for r, g in zip(recordings, grads)])
+        if _uses_grouped_route(layer, grads[0].shape[0]):
+            kernel = tf.add_n([_per_example_kernel_grads(layer, r.inputs, g) for r, g in zip(recordings, grads)])
             per_example = [kernel]
             if _trainable_bias(layer):
                 rank = len(grads[0].shape)
