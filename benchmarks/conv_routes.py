@@ -5,9 +5,9 @@ gradient a non-private step computes instead, per Conv2D layer of the tutorial C
     python benchmarks/conv_routes.py --batch_size=1024
 
 Routes (all exact): a grouped convolution's filter gradient with the examples as groups
-(tf_dp's route where the per-example gradients fit in memory), a depthwise filter gradient
-with the examples as channels (C_in = 1 only; tf_dp's earlier route), unfolded patches with
-explicit A_iᵀS_i and with Gram-form norms (tf_dp's route beyond the memory budget). The ratio to the batch
+(tf_dp's route for C_in = 1), a depthwise filter gradient with the examples as channels
+(C_in = 1 only; tf_dp's earlier route), unfolded patches with explicit A_iᵀS_i and with
+Gram-form norms (tf_dp's routes for C_in > 1, chosen by FLOPs). The ratio to the batch
 filter gradient bounds what any of them can reach inside a DP step on this machine.
 Rounds alternate the routes; medians are reported. Prints a Markdown table, writes JSON.
 """
@@ -63,10 +63,10 @@ def _depthwise(layer, x, s):
 
 ROUTES = {
     "batch filter gradient (non-private)": _batch_filter_gradient,
-    "grouped conv filter gradient (tf_dp)": lambda layer, x, s: conv._per_example_kernel_grads(layer, x, s),
+    "grouped conv filter gradient (tf_dp, C_in = 1)": lambda layer, x, s: conv._per_example_kernel_grads(layer, x, s),
     "depthwise filter gradient (C_in = 1)": _depthwise,
-    "patches + explicit A_iᵀS_i": _explicit,
-    "patches + Gram norms": _gram_norms,
+    "patches + explicit A_iᵀS_i (tf_dp, C_in > 1)": _explicit,
+    "patches + Gram norms (tf_dp, C_in > 1)": _gram_norms,
 }
 
 

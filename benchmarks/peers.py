@@ -11,11 +11,13 @@ of per-round ratios.
     bash benchmarks/peers_setup.sh                         # once: /tmp/venv_tfp, /tmp/venv_opacus
     python benchmarks/peers.py                             # MLP and CNN, batch 256
     python benchmarks/peers.py --models=mlp --rounds=9 --cpus=0,1
+    python benchmarks/peers.py --models=transformer      # the transformer of benchmarks/step_time.py
 
 DP settings everywhere: per-example clipping to L2 norm 1.0, Gaussian noise σ = 1.0
 (std σ·C on the summed clipped gradients), SGD lr 0.1, batch 256, sparse categorical
-cross-entropy from logits, random inputs of MNIST shape. A worker that fails to start
-is recorded with its error message.
+cross-entropy from logits, random inputs: MNIST-shaped images with 10 classes (mlp, cnn) or
+[batch, 64] tokens from a vocabulary of 5000 with 2 classes (transformer). A worker that
+fails to start is recorded with its error message.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ import traceback
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["mlp", "cnn"], "mlp (784-512-512-10) and/or cnn (tensorflow-privacy tutorial CNN).")
+MODELS = ("mlp", "cnn", "transformer")
+flags.DEFINE_list("models", ["mlp", "cnn"], "Any of mlp (784-512-512-10), cnn (tensorflow-privacy tutorial CNN), "
+                  "transformer (one attention block, as in benchmarks/step_time.py).")
+flags.register_validator("models", lambda v: set(v) <= set(MODELS), f"--models takes values from {MODELS}")
 flags.DEFINE_list("workers", None, "Workers to run (default: all). See WORKERS.")
 flags.DEFINE_integer("batch_size", 256, "Batch size.")
 flags.DEFINE_integer("rounds", 7, "Alternating rounds.")
@@ -44,12 +49,14 @@ flags.DEFINE_string("tfp_python", "/tmp/venv_tfp/bin/python", "Interpreter of th
 flags.DEFINE_string("opacus_python", "/tmp/venv_opacus/bin/python", "Interpreter of the Opacus venv.")
 flags.DEFINE_string("cpus", "", "If set, run every worker under `taskset -c CPUS`.")
 flags.DEFINE_string("output", "benchmarks/results/peers/peers.json", "Where to write the JSON results.")
+flags.DEFINE_bool("run_unsupported", False, "Also start the (worker, model) pairs of UNSUPPORTED.")
 flags.DEFINE_string("worker", None, "(internal) run as this worker.")
 flags.DEFINE_string("model", "mlp", "(internal) the worker's model.")
 
 L2_NORM_CLIP = 1.0
 NOISE_MULTIPLIER = 1.0
 LEARNING_RATE = 0.1
+VOCABULARY, TOKENS = 5000, 64  # the transformer's
 
 # name -> (interpreter flag, description). "tf_dp" is the reference of the ratios.
 WORKERS = {
@@ -59,36 +66,64 @@ WORKERS = {
     "tfp_dpsgd": ("tfp", "tensorflow-privacy DPKerasSGDOptimizer, num_microbatches=batch (pfor jacobian, "
                          "then a while_loop over microbatches through its DP query)"),
     "tfp_vec": ("tfp", "tensorflow-privacy VectorizedDPKerasSGDOptimizer, num_microbatches=batch"),
-    "tfp_fast": ("tfp", "tensorflow-privacy DPSequential, num_microbatches=None, default layer registry "
-                        "(fast/ghost clipping where all layers are registered), use_xla=True (its default)"),
+    "tfp_fast": ("tfp", "tensorflow-privacy DPModel, num_microbatches=None, layer registry: the default one (Dense, "
+                        "Embedding) plus EinsumDense, LayerNormalization and MultiHeadAttention (fast/ghost clipping "
+                        "when all trainable layers are registered, as for mlp and transformer; the cnn's Conv2D is "
+                        "not, so it falls back to vectorized per-example gradients: see fast_clipping, unregistered), "
+                        "use_xla=True (its default)"),
     "tfp_fast_noxla": ("tfp", "as tfp_fast with use_xla=False"),
     "tfp_plain": ("tfp", "plain tf.keras 2.15 SGD step (non-private reference)"),
-    "opacus_hooks": ("opacus", "Opacus PrivacyEngine.make_private, grad_sample_mode='hooks' (default)"),
-    "opacus_ghost": ("opacus", "Opacus PrivacyEngine.make_private, grad_sample_mode='ghost'"),
-    "torch_plain": ("opacus", "plain PyTorch SGD step (non-private reference)"),
+    "opacus_hooks": ("opacus", "Opacus PrivacyEngine.make_private, grad_sample_mode='hooks' (default); the transformer "
+                               "uses opacus.layers.DPMultiheadAttention and runs sequence-first with "
+                               "make_private(batch_first=False), since Opacus 1.6.0's DPMultiheadAttention mixes up "
+                               "heads and tokens with batch_first=True; parameter counts equal the Keras models'"),
+    "opacus_ghost": ("opacus", "as opacus_hooks with grad_sample_mode='ghost' (ghost norms for the layer types with a "
+                               "norm sampler; the others, e.g. the transformer's LayerNorm, through per-sample "
+                               "gradients: see ghost_fallback)"),
+    "torch_plain": ("opacus", "plain PyTorch SGD step on the Opacus workers' modules (non-private reference)"),
 }
-DEFAULT_WORKERS = ["tf_dp", "keras_plain", "tfp_dpsgd", "tfp_vec", "tfp_fast", "tfp_fast_noxla", "tfp_plain", "opacus_hooks", "opacus_ghost",
-                   "torch_plain"]
+# (worker, model) pairs not started (recorded as failed with the reason) unless --run_unsupported.
+_JACOBIAN_OOM = ("not started (--run_unsupported starts it): its tape.jacobian over 256 microbatches back-propagates "
+                 "the whole batch once per example, so e.g. the attention's [256, 256, 4, 64, 64] intermediates take "
+                 "4 GiB each; in a trial at batch 256 it held 22 GB after warm-up and the OOM killer ended it when "
+                 "the next worker started (24 GB machine, workers alive side by side)")
+UNSUPPORTED = {("tfp_dpsgd", "transformer"): _JACOBIAN_OOM, ("tfp_vec", "transformer"): _JACOBIAN_OOM}
+DEFAULT_WORKERS = ["tf_dp", "keras_plain", "tfp_dpsgd", "tfp_vec", "tfp_fast", "tfp_fast_noxla", "tfp_plain",
+                   "opacus_hooks", "opacus_ghost", "torch_plain"]
 
 
 # ----------------------------------------------------------------------------- workers
 # A worker builds `step()` (one synchronous training step on a fixed batch), runs the
 # warm-up, prints "READY <json>" and then answers "run N" with "<json>" until "quit".
 
-def _data(batch, channels_last=True):
+def _data(model, batch, channels_last=True):
     import numpy as np
     rng = np.random.default_rng(0)
+    if model == "transformer":
+        return rng.integers(0, VOCABULARY, (batch, TOKENS), dtype=np.int32), rng.integers(0, 2, batch)
     shape = (batch, 28, 28, 1) if channels_last else (batch, 1, 28, 28)
     return rng.random(shape, dtype=np.float32), rng.integers(0, 10, batch)
 
 
-def _keras_layers(keras, model):
+def _keras_graph(keras, model):
+    """(inputs, outputs) of the model, for Keras 3 and tf_keras alike."""
     L = keras.layers
+    if model == "transformer":  # as transformer() in benchmarks/step_time.py
+        inputs = keras.Input((TOKENS,), dtype="int32")
+        x = L.Embedding(VOCABULARY, 64)(inputs)
+        x = L.LayerNormalization()(x + L.MultiHeadAttention(num_heads=4, key_dim=16)(x, x))
+        x = L.LayerNormalization()(x + L.Dense(64)(L.Dense(128, activation="relu")(x)))
+        return inputs, L.Dense(2)(L.GlobalAveragePooling1D()(x))
     if model == "mlp":
-        return [L.Flatten(), L.Dense(512, activation="relu"), L.Dense(512, activation="relu"), L.Dense(10)]
-    return [L.Conv2D(16, 8, strides=2, padding="same", activation="relu"), L.MaxPooling2D(2, 1),
-            L.Conv2D(32, 4, strides=2, padding="valid", activation="relu"), L.MaxPooling2D(2, 1),
-            L.Flatten(), L.Dense(32, activation="relu"), L.Dense(10)]
+        layers = [L.Flatten(), L.Dense(512, activation="relu"), L.Dense(512, activation="relu"), L.Dense(10)]
+    else:
+        layers = [L.Conv2D(16, 8, strides=2, padding="same", activation="relu"), L.MaxPooling2D(2, 1),
+                  L.Conv2D(32, 4, strides=2, padding="valid", activation="relu"), L.MaxPooling2D(2, 1),
+                  L.Flatten(), L.Dense(32, activation="relu"), L.Dense(10)]
+    inputs = out = keras.Input((28, 28, 1))
+    for layer in layers:
+        out = layer(out)
+    return inputs, out
 
 
 def _tf_threads(tf):
@@ -102,12 +137,9 @@ def _main_worker(name, model, batch):
     import tensorflow as tf
     _tf_threads(tf)
     import tf_dp
-    x, y = _data(batch)
+    x, y = _data(model, batch)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    inputs = keras.Input((28, 28, 1))
-    out = inputs
-    for layer in _keras_layers(keras, model):
-        out = layer(out)
+    inputs, out = _keras_graph(keras, model)
     if name == "keras_plain":
         m = keras.Model(inputs, out)
         m.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=loss, jit_compile=False)
@@ -116,8 +148,23 @@ def _main_worker(name, model, batch):
         m.compile(optimizer=tf_dp.DPSGD(LEARNING_RATE, l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER,
                                         seed=0),
                   loss=loss, jit_compile=(name == "tf_dp_xla"), clipping_engine="ghost")
-    info = {"tensorflow": tf.__version__, "keras": keras.__version__, "tf_dp": getattr(tf_dp, "__version__", "?")}
+    info = {"tensorflow": tf.__version__, "keras": keras.__version__, "tf_dp": getattr(tf_dp, "__version__", "?"),
+            "params": m.count_params()}
     return (lambda: m.train_on_batch(x, y)), info
+
+
+def _tfp_registry():
+    """The default layer registry plus every other Keras layer that tensorflow-privacy 0.9.0 has a
+    fast-clipping function for."""
+    import tensorflow as tf
+    from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
+    from tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions import (
+        einsum_dense, layer_normalization, multi_head_attention)
+    registry = layer_registry.make_default_layer_registry()
+    registry.insert(tf.keras.layers.EinsumDense, einsum_dense.einsum_layer_computation)
+    registry.insert(tf.keras.layers.LayerNormalization, layer_normalization.layer_normalization_computation)
+    registry.insert(tf.keras.layers.MultiHeadAttention, multi_head_attention.multi_head_attention_layer_computation)
+    return registry
 
 
 def _tfp_worker(name, model, batch):
@@ -125,37 +172,67 @@ def _tfp_worker(name, model, batch):
     _tf_threads(tf)
     import tensorflow_privacy
     keras = tf.keras
-    x, y = _data(batch)
-    layers = _keras_layers(keras, model)
+    x, y = _data(model, batch)
+    inputs, outputs = _keras_graph(keras, model)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     from importlib import metadata
     info = {"tensorflow": tf.__version__, "keras": metadata.version("keras"),
             "tensorflow_privacy": tensorflow_privacy.__version__}
     if name.startswith("tfp_fast"):
-        from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
         from tensorflow_privacy.privacy.keras_models import dp_keras_model
-        m = dp_keras_model.DPSequential(
+        registry = _tfp_registry()
+        m = dp_keras_model.DPModel(
             l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER, num_microbatches=None,
-            use_xla=(name == "tfp_fast"), layer_registry=layer_registry.make_default_layer_registry(), layers=[keras.Input((28, 28, 1))] + layers)
-        m.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        # False when a trainable layer is not in the registry (0.9.0 registers Dense and
-        # Embedding only, so the CNN falls back to vectorized per-example gradients).
+            use_xla=(name == "tfp_fast"), layer_registry=registry, inputs=inputs, outputs=outputs)
+        m.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=loss)
+        # False (vectorized per-example gradients instead) when a trainable layer is unregistered.
         info["fast_clipping"] = bool(m._enable_fast_peg_computation)
+        info["unregistered"] = sorted({type(layer).__name__ for layer in m.layers
+                                       if layer.trainable_variables and not registry.is_elem(layer)})
     elif name in ("tfp_dpsgd", "tfp_vec"):
         from tensorflow_privacy import DPKerasSGDOptimizer, VectorizedDPKerasSGDOptimizer
-        m = keras.Sequential([keras.Input((28, 28, 1))] + layers)
-        opt = (DPKerasSGDOptimizer if name == "tfp_dpsgd" else VectorizedDPKerasSGDOptimizer)(l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER,
-                                  num_microbatches=batch, learning_rate=LEARNING_RATE)
+        m = keras.Model(inputs, outputs)
+        opt = (DPKerasSGDOptimizer if name == "tfp_dpsgd" else VectorizedDPKerasSGDOptimizer)(
+            l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER, num_microbatches=batch,
+            learning_rate=LEARNING_RATE)
         m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True, reduction=tf.losses.Reduction.NONE))
     else:
-        m = keras.Sequential([keras.Input((28, 28, 1))] + layers)
-        m.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        m = keras.Model(inputs, outputs)
+        m.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=loss)
+    info["params"] = m.count_params()
     return (lambda: m.train_on_batch(x, y)), info
 
 
+def _torch_transformer(nn):
+    from opacus.layers import DPMultiheadAttention
+
+    class Transformer(nn.Module):
+        # Sequence-first inside ([tokens, batch, features]), and so make_private(batch_first=False):
+        # Opacus 1.6.0's DPMultiheadAttention(batch_first=True) mixes up heads and tokens.
+        batch_first = False
+
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(VOCABULARY, 64)
+            self.attention = DPMultiheadAttention(64, 4)
+            self.norm1, self.norm2 = nn.LayerNorm(64, eps=1e-3), nn.LayerNorm(64, eps=1e-3)  # Keras' epsilon
+            self.feed_forward = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+            self.head = nn.Linear(64, 2)
+
+        def forward(self, tokens):
+            x = self.embedding(tokens.t())
+            x = self.norm1(x + self.attention(x, x, x, need_weights=False)[0])
+            x = self.norm2(x + self.feed_forward(x))
+            # keepdim: the head's input keeps the batch on dimension 1, as Opacus is told.
+            return self.head(x.mean(0, keepdim=True))[0]
+
+    return Transformer()
+
+
 def _torch_model(nn, model):
+    if model == "transformer":
+        return _torch_transformer(nn)
     if model == "mlp":
         return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                              nn.Linear(512, 10))
@@ -165,18 +242,28 @@ def _torch_model(nn, model):
                          nn.Flatten(), nn.Linear(32 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
+def _ghost_fallback(net):
+    """Parametrized module types that Opacus' ghost mode handles with per-sample gradients."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    return sorted({type(m).__name__ for m in net.modules() if list(m.parameters(recurse=False))
+                   and type(m) not in GradSampleModuleFastGradientClipping.NORM_SAMPLERS})
+
+
 def _opacus_worker(name, model, batch):
     import torch
     from torch import nn
     torch.manual_seed(0)
     if FLAGS.threads > 0:
         torch.set_num_threads(FLAGS.threads)
-    xn, yn = _data(batch, channels_last=False)
+    xn, yn = _data(model, batch, channels_last=False)
     x, y = torch.from_numpy(xn), torch.from_numpy(yn).long()
+    if not x.is_floating_point():
+        x = x.long()
     net = _torch_model(nn, model)
     opt = torch.optim.SGD(net.parameters(), lr=LEARNING_RATE)
     criterion = nn.CrossEntropyLoss()
-    info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "params": sum(p.numel() for p in net.parameters())}
     if name != "torch_plain":
         import opacus
         from opacus import PrivacyEngine
@@ -185,8 +272,9 @@ def _opacus_worker(name, model, batch):
         engine = PrivacyEngine()
         mode = name.split("_", 1)[1]
         kwargs = dict(module=net, optimizer=opt, data_loader=loader, noise_multiplier=NOISE_MULTIPLIER,
-                      max_grad_norm=L2_NORM_CLIP, grad_sample_mode=mode)
+                      max_grad_norm=L2_NORM_CLIP, grad_sample_mode=mode, batch_first=getattr(net, "batch_first", True))
         if mode == "ghost":
+            info["ghost_fallback"] = _ghost_fallback(net)
             net, opt, criterion, loader = engine.make_private(criterion=criterion, **kwargs)
         else:
             net, opt, loader = engine.make_private(**kwargs)
@@ -243,10 +331,12 @@ class Worker:
                f"--batch_size={FLAGS.batch_size}", f"--warmup={FLAGS.warmup}", f"--threads={FLAGS.threads}"]
         if FLAGS.cpus:
             cmd = ["taskset", "-c", FLAGS.cpus] + cmd
-        self.error, self.info, self.times = None, {}, []
+        self.error, self.info, self.times, self.proc = None, {}, [], None
         if not os.path.exists(python):
             self.error = f"interpreter {python} not found (run benchmarks/peers_setup.sh)"
-            self.proc = None
+            return
+        if (name, model) in UNSUPPORTED and not FLAGS.run_unsupported:
+            self.error = UNSUPPORTED[name, model]
             return
         self.stderr = open(os.path.join(_results_dir(), f"{name}_{model}.stderr.log"), "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
@@ -262,11 +352,15 @@ class Worker:
                 self.error = json.loads(line[7:])["error"]
                 self.close()
                 return
+        self._died("while starting")
+
+    def _died(self, when):
         self.proc.wait()
         self.stderr.flush()
         with open(self.stderr.name) as f:
             tail = f.read().strip().splitlines()[-5:]
-        self.error = f"worker exited with code {self.proc.returncode}: " + " | ".join(tail)
+        killed = " (SIGKILL: out of memory?)" if self.proc.returncode == -9 else ""
+        self.error = f"worker exited with code {self.proc.returncode}{killed} {when}: " + " | ".join(tail)
         self.proc = None
 
     @property
@@ -275,11 +369,16 @@ class Worker:
         return max(2, min(FLAGS.steps, round(FLAGS.timing_seconds * 1000 / warm)))
 
     def run(self):
-        self.proc.stdin.write(f"run {self.steps}\n")
-        self.proc.stdin.flush()
-        ms = json.loads(self.proc.stdout.readline())["ms"]
-        self.times.append(ms)
-        return ms
+        try:
+            self.proc.stdin.write(f"run {self.steps}\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if line:
+            self.times.append(json.loads(line)["ms"])
+        else:
+            self._died("while timing")
 
     def close(self):
         if self.proc is not None:
@@ -310,11 +409,12 @@ def measure(model, names):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
         for w in order:
             w.run()
+        live = [w for w in live if w.error is None]
         print(f"[{model}] round {r + 1}/{FLAGS.rounds}: " + ", ".join(f"{w.name} {w.times[-1]:.1f}" for w in live),
               flush=True)
     for w in workers:
         w.close()
-    ref = next((w for w in live if w.name == "tf_dp"), None)
+    ref = next((w for w in workers if w.name == "tf_dp" and w.error is None), None)
     rows = []
     for w in workers:
         row = {"model": model, "worker": w.name, "description": WORKERS[w.name][1], "batch_size": FLAGS.batch_size,

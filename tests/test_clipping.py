@@ -155,6 +155,7 @@ def test_grouped_route_in_example_groups_matches_loop(monkeypatch, build):
     from tf_dp.clipping import conv
 
     monkeypatch.setattr(conv, "_EXAMPLES_PER_CALL", 4)  # BATCH = 6: groups of 4 and 2
+    monkeypatch.setattr(conv, "_GROUPED_MAX_CHANNELS", 16)  # also C_in = 2 (conv_model)
     model, x = build()
     _assert_ghost_matches_loop(model, x)
 

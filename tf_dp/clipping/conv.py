@@ -6,11 +6,11 @@ patch a_it ∈ R^{kh·kw·C_in}: z_it = a_it W + b with W the kernel reshaped to
 positions, and picks per layer between the Gram form (T²(d+k)) and explicit per-example
 A_iᵀS_i (T·d·k), as mixed ghost clipping does.
 
-Unfolding is slow on CPU (``extract_patches`` of the tutorial CNN's layers cost more than
-their convolutions), so where the per-example kernel gradients fit in memory they are
-taken without it: with the examples as the groups of ONE grouped convolution, its filter
-gradient is exactly the stack of the A_iᵀS_i, in one call of the platform's convolution
-kernel (``python benchmarks/conv_routes.py`` times every route).
+Unfolding a single-channel input is slow on CPU, so there (and where the per-example
+kernel gradients fit in memory) they are taken without it: with the examples as the groups
+of ONE grouped convolution, its filter gradient is exactly the stack of the A_iᵀS_i, in one
+call of the platform's convolution kernel. With more input channels unfolding was faster
+here (``python benchmarks/conv_routes.py`` times every route; GPU costs unmeasured).
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ def _patches(layer, inputs: tf.Tensor) -> tf.Tensor:
 
 _EXAMPLES_PER_CALL = 256  # one call's cost grew 5.4x from 256 to 1024 examples (C_in = 1)
 _EXPLICIT_FLOATS = 2 ** 26  # per-example kernel gradients held explicitly up to 256 MB
+# Grouped route only up to this many input channels. Measured (benchmarks/conv_routes.py,
+# batch 256, 2-core CPU): C_in = 1 grouped 3.7x the batch filter gradient vs unfolded 11x;
+# C_in = 16 grouped 3.8x vs unfolded 3.0x.
+_GROUPED_MAX_CHANNELS = 1
 
 
 def _per_example_kernel_grads(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
@@ -94,12 +98,14 @@ def _compiling_with_xla() -> bool:
 
 
 def _uses_grouped_route(layer, examples) -> bool:
-    """Undilated, per-example kernel gradients that fit _EXPLICIT_FLOATS, and not under
-    XLA (its CPU kernel for the C_in = 1 case took 8.9 s for the tutorial CNN's step; graph
-    mode 4.4 ms). Otherwise: unfolded patches (Gram or explicit form by cost)."""
+    """At most _GROUPED_MAX_CHANNELS input channels, undilated, per-example kernel gradients
+    within _EXPLICIT_FLOATS, and not under XLA (its CPU kernel for C_in = 1 took 8.9 s for
+    the tutorial CNN's step; graph mode 4.4 ms). Otherwise: unfolded patches (Gram or
+    explicit form by cost)."""
     examples = _EXAMPLES_PER_CALL if examples is None else examples
     fits = examples * layer.kernel.shape.num_elements() <= _EXPLICIT_FLOATS
-    return fits and all(rate == 1 for rate in _window(layer)[2]) and not _compiling_with_xla()
+    return (layer.kernel.shape[-2] <= _GROUPED_MAX_CHANNELS and fits and all(rate == 1 for rate in _window(layer)[2])
+            and not _compiling_with_xla())
 
 
 def _trainable_bias(layer) -> bool:
