@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tf_dp.clipping.dense import DenseContribution
 from tf_dp.clipping.layer_per_example import MaterializedContribution
+from tf_dp.clipping.lora import lora_enabled
 from tf_dp.clipping.registry import CombinedContribution, GhostRule, Recording, register_ghost_rule
 
 
@@ -99,8 +100,8 @@ def _compiling_with_xla() -> bool:
 
 def _uses_grouped_route(layer, examples) -> bool:
     """At most _GROUPED_MAX_CHANNELS input channels, undilated, per-example kernel gradients
-    within _EXPLICIT_FLOATS, and not under XLA (its CPU kernel for C_in = 1 took 8.9 s for
-    the tutorial CNN's step; graph mode 4.4 ms). Otherwise: unfolded patches (Gram or
+    within _EXPLICIT_FLOATS, and not under XLA (its CPU kernel for the depthwise form of
+    C_in = 1 took 8.9 s for the tutorial CNN's step; graph mode 4.4 ms). Otherwise: unfolded patches (Gram or
     explicit form by cost)."""
     examples = _EXAMPLES_PER_CALL if examples is None else examples
     fits = examples * layer.kernel.shape.num_elements() <= _EXPLICIT_FLOATS
@@ -119,7 +120,7 @@ class ConvRule(GhostRule):
             and layer.data_format == "channels_last"
             and layer.groups == 1
             and layer.padding in ("valid", "same")
-            and not getattr(layer, "lora_enabled", False)
+            and not lora_enabled(layer)
             and getattr(layer, "quantization_mode", None) is None
             and getattr(getattr(layer, "kernel", None), "trainable", True)
         )

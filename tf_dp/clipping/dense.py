@@ -17,7 +17,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp.clipping.clip import sum_over_examples
-from tf_dp.clipping.lora import lora_contribution, lora_tapped_call, lora_variables
+from tf_dp.clipping.lora import lora_contribution, lora_enabled, lora_tapped_call, lora_variables
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
 
 
@@ -81,10 +81,6 @@ def trainable_bias(layer) -> bool:
     return layer.bias is not None and layer.bias.trainable
 
 
-def _lora(layer) -> bool:
-    return getattr(layer, "lora_enabled", False)
-
-
 def dense_contribution(activations: list, grads: list, has_bias: bool) -> DenseContribution:
     """One Dense contribution from a layer's recordings (several: concatenated along T)."""
     if len(activations) == 1 and activations[0].shape.rank == 2:
@@ -99,16 +95,16 @@ class DenseRule(GhostRule):
     def applies_to(self, layer) -> bool:
         return (
             getattr(layer, "quantization_mode", None) is None
-            and (_lora(layer) or getattr(getattr(layer, "_kernel", None), "trainable", True))  # frozen W₀ out of norms
+            and (lora_enabled(layer) or getattr(getattr(layer, "_kernel", None), "trainable", True))  # frozen W₀ out of norms
         )
 
     def variables(self, layer):
-        if _lora(layer):
+        if lora_enabled(layer):
             return lora_variables(layer, trainable_bias(layer))
         return [layer.kernel] + ([layer.bias] if trainable_bias(layer) else [])
 
     def tapped_call(self, layer, original_call, recordings, inputs, training=None):
-        if _lora(layer):
+        if lora_enabled(layer):
             z, recording = lora_tapped_call(layer, inputs)
             recordings.append(recording)
             return layer.activation(z) if layer.activation is not None else z
@@ -121,7 +117,7 @@ class DenseRule(GhostRule):
     def contribution(self, layer, recordings, output_grads):
         has_bias = trainable_bias(layer)
         grads = [g[0] if g[0] is not None else tf.zeros_like(r.watched[0]) for r, g in zip(recordings, output_grads)]
-        if _lora(layer):
+        if lora_enabled(layer):
             return lora_contribution(layer, recordings, grads, has_bias, dense_contribution)
         return dense_contribution([r.inputs for r in recordings], grads, has_bias)
 

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tf_dp.clipping.dense import DenseContribution, dense_contribution
 from tf_dp.clipping.layer_per_example import MaterializedContribution
-from tf_dp.clipping.lora import einsum_lora_contribution
+from tf_dp.clipping.lora import einsum_lora_contribution, lora_enabled
 from tf_dp.clipping.registry import CombinedContribution, GhostRule, Recording, register_ghost_rule
 
 
@@ -40,17 +40,13 @@ def dense_form(equation: str) -> Optional[tuple[int, int]]:
     return len(contracted), len(new)
 
 
-def _lora(layer) -> bool:
-    return getattr(layer, "lora_enabled", False)
-
-
 class EinsumDenseRule(GhostRule):
     def applies_to(self, layer) -> bool:
         form = dense_form(layer.equation)
         kernel = getattr(layer, "_kernel", None)
         if form is None or kernel is None or getattr(layer, "quantization_mode", None) is not None:
             return False
-        if _lora(layer):
+        if lora_enabled(layer):
             if form[1] == 0:  # B would act on a contracted axis: not this Dense form
                 return False
         elif not kernel.trainable:
@@ -62,7 +58,7 @@ class EinsumDenseRule(GhostRule):
         return layer.bias is not None and layer.bias.trainable
 
     def variables(self, layer):
-        kernels = [layer.lora_kernel_a, layer.lora_kernel_b] if _lora(layer) else [layer.kernel]
+        kernels = [layer.lora_kernel_a, layer.lora_kernel_b] if lora_enabled(layer) else [layer.kernel]
         return kernels + ([layer.bias] if self._has_bias(layer) else [])
 
     def tapped_call(self, layer, original_call, recordings, inputs, training=None):
@@ -70,13 +66,13 @@ class EinsumDenseRule(GhostRule):
         if layer.bias is not None:
             z = keras.ops.add(z, layer.bias)
         extras = (keras.ops.convert_to_tensor(layer.lora_kernel_a),
-                  keras.ops.convert_to_tensor(layer.lora_kernel_b)) if _lora(layer) else None
+                  keras.ops.convert_to_tensor(layer.lora_kernel_b)) if lora_enabled(layer) else None
         recordings.append(Recording(inputs, [z], extras=extras))
         return layer.activation(z) if layer.activation is not None else z
 
     def contribution(self, layer, recordings, output_grads):
         contracted, _ = dense_form(layer.equation)
-        if _lora(layer):
+        if lora_enabled(layer):
             grads = [tf.zeros_like(r.watched[0]) if g is None else g for r, (g,) in zip(recordings, output_grads)]
             return einsum_lora_contribution(layer, recordings, grads, contracted, self._has_bias(layer),
                                             dense_contribution, MaterializedContribution)

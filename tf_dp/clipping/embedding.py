@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_dp.clipping.clip import sum_over_examples
 from tf_dp.clipping.dense import dense_contribution
-from tf_dp.clipping.lora import lora_embedding_contribution, lora_embedding_tapped_call
+from tf_dp.clipping.lora import lora_embedding_contribution, lora_embedding_tapped_call, lora_enabled
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
 
 
@@ -36,10 +36,6 @@ class EmbeddingContribution(Contribution):
                                              self.vocabulary_size)]
 
 
-def _lora(layer) -> bool:
-    return getattr(layer, "lora_enabled", False)
-
-
 class EmbeddingRule(GhostRule):
     """Embedding, and LoRA-enabled Embedding (adapters A, B trainable, E₀ frozen; see lora.py)."""
 
@@ -47,15 +43,15 @@ class EmbeddingRule(GhostRule):
         return (
             getattr(layer, "quantization_mode", None) is None
             and not getattr(layer, "sparse", False)
-            and (_lora(layer) or getattr(getattr(layer, "_embeddings", None), "trainable", True))
+            and (lora_enabled(layer) or getattr(getattr(layer, "_embeddings", None), "trainable", True))
         )
 
     def variables(self, layer):
-        return [layer.lora_embeddings_a, layer.lora_embeddings_b] if _lora(layer) else [layer.embeddings]
+        return [layer.lora_embeddings_a, layer.lora_embeddings_b] if lora_enabled(layer) else [layer.embeddings]
 
     def tapped_call(self, layer, original_call, recordings, inputs):
         ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
-        if _lora(layer):
+        if lora_enabled(layer):
             z, recording = lora_embedding_tapped_call(layer, ids)
         else:
             z = keras.ops.take(layer.embeddings, ids, axis=0)
@@ -64,7 +60,7 @@ class EmbeddingRule(GhostRule):
         return keras.ops.cast(z, layer.compute_dtype)
 
     def contribution(self, layer, recordings, output_grads):
-        if _lora(layer):
+        if lora_enabled(layer):
             grads = [tf.zeros_like(r.watched[0]) if g is None else g for r, (g,) in zip(recordings, output_grads)]
             return lora_embedding_contribution(layer, recordings, grads, EmbeddingContribution, dense_contribution)
         ids, grads = [], []

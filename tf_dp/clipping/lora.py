@@ -21,6 +21,10 @@ import tensorflow as tf
 from tf_dp.clipping.registry import CombinedContribution, Contribution, Recording
 
 
+def lora_enabled(layer) -> bool:
+    return getattr(layer, "lora_enabled", False)
+
+
 def _scale(layer) -> float:
     return layer.lora_alpha / layer.lora_rank
 
