@@ -18,6 +18,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tf_dp._xla import compiling_with_xla
 from tf_dp.clipping.dense import DenseContribution
 from tf_dp.clipping.layer_per_example import MaterializedContribution
 from tf_dp.clipping.lora import lora_enabled
@@ -89,15 +90,6 @@ def _examples_as_channels(tensor: tf.Tensor) -> tf.Tensor:
     return tf.reshape(tf.transpose(tensor, [1, 2, 0, 3]), tf.stack([1, shape[1], shape[2], shape[0] * shape[3]]))
 
 
-def _compiling_with_xla() -> bool:
-    try:
-        from tensorflow.python.framework import ops
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # private TF modules moved: assume XLA, take the route that is safe under it
-        return True
-    return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
-
-
 def _uses_grouped_route(layer, examples) -> bool:
     """At most _GROUPED_MAX_CHANNELS input channels, undilated, per-example kernel gradients
     within _EXPLICIT_FLOATS, and not under XLA (its CPU kernel for the depthwise form of
@@ -106,7 +98,7 @@ def _uses_grouped_route(layer, examples) -> bool:
     examples = _EXAMPLES_PER_CALL if examples is None else examples
     fits = examples * layer.kernel.shape.num_elements() <= _EXPLICIT_FLOATS
     return (layer.kernel.shape[-2] <= _GROUPED_MAX_CHANNELS and fits and all(rate == 1 for rate in _window(layer)[2])
-            and not _compiling_with_xla())
+            and not compiling_with_xla())
 
 
 def _trainable_bias(layer) -> bool:
