@@ -160,14 +160,19 @@ def test_grouped_route_in_example_groups_matches_loop(monkeypatch, build):
     _assert_ghost_matches_loop(model, x)
 
 
-def test_unfolded_route_beyond_the_memory_budget_matches_loop(monkeypatch):
-    # Per-example kernel gradients over the budget: unfolded patches (Gram / explicit forms).
-    from tf_dp.clipping import conv
+def test_gram_form_beyond_the_memory_budget_matches_loop(monkeypatch):
+    # Per-example kernel gradients over the budget: unfolded patches, Gram form only (never
+    # the explicit [P, d, k] products), for conv layers and Dense on sequences alike.
+    from tf_dp.clipping import dense
 
-    monkeypatch.setattr(conv, "_EXPLICIT_FLOATS", 0)
-    for build in (conv_model, single_channel_conv_model):
+    monkeypatch.setattr(dense, "EXPLICIT_FLOATS", 0)
+    explicit = []
+    monkeypatch.setattr(dense.DenseContribution, "_per_example_kernel_grads",
+                        lambda self: explicit.append(self) or pytest.fail("explicit form over the budget"))
+    for build in (conv_model, single_channel_conv_model, dense_sequence_model):
         model, x = build()
         _assert_ghost_matches_loop(model, x)
+    assert not explicit
 
 
 def test_conv_rules_under_xla_match_graph_mode(monkeypatch):

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp._xla import compiling_with_xla
+from tf_dp.clipping import dense
 from tf_dp.clipping.dense import DenseContribution
 from tf_dp.clipping.layer_per_example import MaterializedContribution
 from tf_dp.clipping.lora import lora_enabled
@@ -48,7 +49,6 @@ def _patches(layer, inputs: tf.Tensor) -> tf.Tensor:
 
 
 _EXAMPLES_PER_CALL = 256  # one call's cost grew 5.4x from 256 to 1024 examples (C_in = 1)
-_EXPLICIT_FLOATS = 2 ** 26  # per-example kernel gradients held explicitly up to 256 MB
 # Grouped route only up to this many input channels. Measured (benchmarks/conv_routes.py,
 # batch 256, 2-core CPU): C_in = 1 grouped 3.7x the batch filter gradient vs unfolded 11x;
 # C_in = 16 grouped 3.8x vs unfolded 3.0x.
@@ -92,11 +92,11 @@ def _examples_as_channels(tensor: tf.Tensor) -> tf.Tensor:
 
 def _uses_grouped_route(layer, examples) -> bool:
     """At most _GROUPED_MAX_CHANNELS input channels, undilated, per-example kernel gradients
-    within _EXPLICIT_FLOATS, and not under XLA (its CPU kernel for the depthwise form of
+    within dense.EXPLICIT_FLOATS, and not under XLA (its CPU kernel for the depthwise form of
     C_in = 1 took 8.9 s for the tutorial CNN's step; graph mode 4.4 ms). Otherwise: unfolded patches (Gram or
     explicit form by cost)."""
     examples = _EXAMPLES_PER_CALL if examples is None else examples
-    fits = examples * layer.kernel.shape.num_elements() <= _EXPLICIT_FLOATS
+    fits = examples * layer.kernel.shape.num_elements() <= dense.EXPLICIT_FLOATS
     return (layer.kernel.shape[-2] <= _GROUPED_MAX_CHANNELS and fits and all(rate == 1 for rate in _window(layer)[2])
             and not compiling_with_xla())
 

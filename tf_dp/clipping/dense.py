@@ -27,6 +27,9 @@ def _as_sequence(tensor: tf.Tensor) -> tf.Tensor:
     return tf.reshape(tensor, tf.stack([shape[0], -1, shape[-1]]))
 
 
+EXPLICIT_FLOATS = 2 ** 26  # per-example kernel gradients [P, d, k] held explicitly up to 256 MB
+
+
 class DenseContribution(Contribution):
     def __init__(self, activations, output_grads, has_bias: bool, flat: bool):
         # Norms and clipped sums in float32 even under a bfloat16 compute policy.
@@ -49,8 +52,11 @@ class DenseContribution(Contribution):
         return norms
 
     def _gram_is_cheaper(self) -> bool:
-        steps, d, k = self.a.shape[1], self.a.shape[2], self.s.shape[2]
-        return steps is not None and steps * (d + k) <= d * k
+        """The Gram form where it costs fewer FLOPs, T(d+k) ≤ dk, or where the explicit
+        [P, d, k] products would exceed EXPLICIT_FLOATS."""
+        examples, steps, d, k = self.a.shape[0], self.a.shape[1], self.a.shape[2], self.s.shape[2]
+        too_big = examples is not None and examples * d * k > EXPLICIT_FLOATS
+        return too_big or (steps is not None and steps * (d + k) <= d * k)
 
     def _per_example_kernel_grads(self) -> tf.Tensor:
         """A_iᵀS_i for every example, [P, d, k]; computed once, used for norms and sums."""
