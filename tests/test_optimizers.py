@@ -59,7 +59,7 @@ def test_noise_std_on_average_is_sigma_clip_over_batch(jit_compile):
     # The sample std of n = 20000 normals has relative std 1/sqrt(2n) = 0.5 %; 5 sd = 2.5 %.
     assert abs(step.std() / expected - 1) < 5 / np.sqrt(2 * units)
     assert abs(step.mean()) < 5 * expected / np.sqrt(units)
-    # Gaussian shape (Philox in graph mode, ThreeFry under XLA): the share beyond 2 sd is
+    # Gaussian shape (TF's Philox kernel, or XLA's under jit_compile): the share beyond 2 sd is
     # p = 0.0455 with binomial sd sqrt(p(1 - p)/n) = 0.0015; 5 sd.
     tail = np.mean(np.abs(step) > 2 * expected)
     assert abs(tail - 0.0455) < 5 * np.sqrt(0.0455 * 0.9545 / units)
