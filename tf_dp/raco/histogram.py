@@ -66,12 +66,31 @@ class NoisyHistogram(keras.layers.Layer):
     def add_noise(self, histogram: tf.Tensor, seed: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
         return histogram + laplace_noise(tf.shape(histogram), self.noise_scale, seed, step, histogram.dtype)
 
+    def release(self, counts: tf.Tensor, seed: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """Ĥ of the WHOLE global batch from this replica's ``counts`` of its chunks.
+
+        Under tf.distribute the replicas' counts are summed (replica-context all-reduce)
+        and exactly ONE Laplace draw is added: replica 0 adds it to its counts before the
+        sum, the others add nothing, so every replica holds the same Ĥ = Σ_r H_r + noise —
+        one Laplace mechanism on the global batch, as the joint accountant assumes. (Adding
+        the draw after the sum on every replica would need every replica to derive the same
+        key; in secure_mode each replica draws its own key from the OS, and the replicas
+        would then hold different histograms.) The draw is the one a single device makes
+        with the same seed and step. Without replicas: H + noise.
+        """
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return self.add_noise(counts, seed, step)
+        first = tf.equal(context.replica_id_in_sync_group, 0)
+        share = tf.where(first, self.add_noise(counts, seed, step), counts)
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, share)
+
     def call(self, probabilities, partition_ids, mask=None, training=False, seed=None, step=None):
         histogram = self.counts(probabilities, partition_ids, mask)
         if training:
             if seed is None or step is None:
                 raise ValueError("NoisyHistogram in training needs the noise `seed` and `step`.")
-            histogram = self.add_noise(histogram, seed, step)
+            histogram = self.release(histogram, seed, step)
         return histogram
 
     def get_config(self):

@@ -116,8 +116,11 @@ class RateConstrainedModel(DPModel):
     def train_step(self, data):
         x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
         partitions = self.constraint_set.partitioning.ids(data["groups"], y)
-        noisy = self.histogram.add_noise(self._batch_histogram(x, partitions, mask),
-                                         self.optimizer.noise_key(), self.optimizer.iterations)
+        # ONE noisy histogram of the whole global batch, identical on every replica: this
+        # replica's counts are all-reduced and one Laplace draw is added (NoisyHistogram.release).
+        # Γ, N̂, W and the dual step below all read it, so they agree across replicas too.
+        noisy = self.histogram.release(self._batch_histogram(x, partitions, mask),
+                                       self.optimizer.noise_key(), self.optimizer.iterations)
         values = self.constraint_set.values(noisy)
         violated = values > self.constraint_set.bounds
         if self.fixed_penalty is None:
@@ -133,7 +136,7 @@ class RateConstrainedModel(DPModel):
         return logs
 
     def _batch_histogram(self, x, partitions, mask):
-        """H over all chunks of the Poisson batch, at the current weights."""
+        """H over all chunks of this replica's share of the Poisson batch, at the current weights."""
         flat = lambda t: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], axis=0))  # noqa: E731
         probabilities = self(tf.nest.map_structure(flat, x), training=True)
         return self.histogram.counts(tf.stop_gradient(probabilities), flat(partitions), flat(mask))
