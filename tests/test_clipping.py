@@ -204,6 +204,35 @@ def conv1d_model():
     return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden))), np.random.randn(BATCH, 10, 3).astype("float32")
 
 
+def grouped_conv_model():
+    """groups > 1: Conv2D and Conv1D, one of them without bias (per-group Dense forms)."""
+    inputs = keras.Input((7, 7, 4))
+    hidden = keras.layers.Conv2D(6, 3, groups=2, padding="same", activation="tanh")(inputs)
+    hidden = keras.layers.Conv2D(4, 2, strides=2, groups=2, use_bias=False)(hidden)
+    line = keras.layers.Conv1D(4, 3, groups=4)(keras.layers.Reshape((9, 4))(hidden))
+    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(line))), np.random.randn(BATCH, 7, 7, 4).astype("float32")
+
+
+def test_depthwise_route_without_grouped_kernel_matches_loop(monkeypatch):
+    # Where TensorFlow has no grouped filter-gradient kernel (oneDNN off), C_in = 1 takes
+    # the depthwise filter gradient; force that choice on any machine.
+    from tf_dp.clipping import conv
+
+    monkeypatch.setattr(conv, "grouped_conv_filter_gradient_available", lambda: False)
+    routes = []
+    choose = conv._explicit_route
+    monkeypatch.setattr(conv, "_explicit_route", lambda *args: routes.append(choose(*args)) or routes[-1])
+    model, x = single_channel_conv_model()
+    _assert_ghost_matches_loop(model, x)
+    assert "depthwise" in routes and "grouped" not in routes
+    routes.clear()
+    inputs = keras.Input((9, 9, 1))  # unequal strides: the depthwise kernel refuses them, so unfolded
+    hidden = keras.layers.Conv2D(3, 3, strides=(2, 1))(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden)))
+    _assert_ghost_matches_loop(model, x)
+    assert routes and set(routes) == {None}
+
+
 def layer_norm_model():
     inputs = keras.Input((4, 6))
     hidden = keras.layers.LayerNormalization()(keras.layers.Dense(5)(inputs))
@@ -225,7 +254,8 @@ def _assert_ghost_matches_loop(model, x):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("build", [conv_model, single_channel_conv_model, conv1d_model, layer_norm_model],
+@pytest.mark.parametrize("build", [conv_model, single_channel_conv_model, conv1d_model, grouped_conv_model,
+                                   layer_norm_model],
                          ids=lambda f: f.__name__)
 def test_conv_ghost_rule_matches_loop(build):
     model, x = build()

@@ -1,4 +1,4 @@
-"""Ghost rule for ``Conv1D``/``Conv2D`` (channels_last, groups = 1) via unfolded patches.
+"""Ghost rule for ``Conv1D``/``Conv2D`` (channels_last, any ``groups``) via unfolded patches.
 
 A convolution is a Dense layer applied at every output position t to the unfolded input
 patch a_it ∈ R^{kh·kw·C_in}: z_it = a_it W + b with W the kernel reshaped to
@@ -11,15 +11,25 @@ kernel gradients fit in memory) they are taken without it: with the examples as 
 of ONE grouped convolution, its filter gradient is exactly the stack of the A_iᵀS_i, in one
 call of the platform's convolution kernel. With more input channels unfolding was faster
 here (``python benchmarks/conv_routes.py`` times every route; GPU costs unmeasured).
+
+Kernels: a grouped filter gradient runs only where TensorFlow has a kernel for it (on CPU:
+oneDNN on, see kernels.py; probed once per process). Without one, C_in = 1 takes the
+equivalent depthwise filter gradient (examples as channels), else the unfolded route.
+A grouped layer (``groups = G``) is G Dense contributions, one per group g: input channels
+[g·C_in/G, (g+1)·C_in/G) to outputs [g·C_out/G, (g+1)·C_out/G); their norms add up and
+their kernel sums are concatenated along the output axis.
 """
 
 from __future__ import annotations
+
+import math
 
 import keras
 import tensorflow as tf
 
 from tf_dp._xla import compiling_with_xla
 from tf_dp.clipping import dense
+from tf_dp.clipping.kernels import grouped_conv_filter_gradient_available
 from tf_dp.clipping.layer_per_example import MaterializedContribution
 from tf_dp.clipping.lora import lora_enabled
 from tf_dp.clipping.registry import CombinedContribution, GhostRule, Recording, register_ghost_rule
@@ -56,31 +66,43 @@ _GROUPED_MAX_CHANNELS = 1
 
 def _per_example_kernel_grads(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
     """∂ℓ_i/∂W = A_iᵀS_i of every example, [P, *kernel shape], in groups of at most
-    _EXAMPLES_PER_CALL examples."""
+    _EXAMPLES_PER_CALL examples, by the grouped or depthwise filter gradient."""
     examples = inputs.shape[0]
+    route = _grouped_filter_gradient if _explicit_route(layer, examples) == "grouped" else _depthwise_filter_gradient
     if examples is None or examples <= _EXAMPLES_PER_CALL:
-        return _grouped_filter_gradient(layer, inputs, grads)
+        return route(layer, inputs, grads)
     sizes = [_EXAMPLES_PER_CALL] * (examples // _EXAMPLES_PER_CALL) + (
         [examples % _EXAMPLES_PER_CALL] if examples % _EXAMPLES_PER_CALL else [])
-    return tf.concat([_grouped_filter_gradient(layer, a, g)
-                      for a, g in zip(tf.split(inputs, sizes), tf.split(grads, sizes))], axis=0)
+    return tf.concat([route(layer, a, g) for a, g in zip(tf.split(inputs, sizes), tf.split(grads, sizes))], axis=0)
 
 
 def _grouped_filter_gradient(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
     """Per-example kernel gradients from ONE grouped convolution: the P examples laid side
     by side as the P groups of a single image with P·C_in channels (group p: example p's
     channels, mapped to its own C_out outputs). The filter gradient of that convolution,
-    [kh, kw, C_in, P·C_out], is exactly the stack of the A_iᵀS_i (for C_in = 1 it is a
-    depthwise convolution)."""
+    [kh, kw, C_in, P·C_out], is exactly the stack of the A_iᵀS_i. Needs a grouped kernel."""
     inputs, grads = _as_2d(layer, tf.cast(inputs, tf.float32)), _as_2d(layer, tf.cast(grads, tf.float32))
     examples, channels = tf.shape(inputs)[0], tf.shape(inputs)[-1]
     (kh, kw), (sh, sw), _ = _window(layer)
-    image = _examples_as_channels(inputs)
-    out_grad = _examples_as_channels(grads)
     filter_grad = tf.compat.v1.nn.conv2d_backprop_filter(
-        image, tf.stack([kh, kw, channels, examples * layer.filters]), out_grad, [1, sh, sw, 1], layer.padding.upper())
+        _examples_as_channels(inputs), tf.stack([kh, kw, channels, examples * layer.filters]),
+        _examples_as_channels(grads), [1, sh, sw, 1], layer.padding.upper())
     filter_grad = tf.reshape(filter_grad, tf.stack([kh, kw, channels, examples, layer.filters]))
     return tf.reshape(tf.transpose(filter_grad, [3, 0, 1, 2, 4]), tf.concat([[examples], layer.kernel.shape], axis=0))
+
+
+def _depthwise_filter_gradient(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
+    """C_in = 1: the same stack from a depthwise filter gradient, the P examples as the P
+    channels of one image with channel multiplier C_out (output channel p·C_out + o, as in
+    the grouped form). Runs wherever TensorFlow does, for equal strides."""
+    inputs, grads = _as_2d(layer, tf.cast(inputs, tf.float32)), _as_2d(layer, tf.cast(grads, tf.float32))
+    examples = tf.shape(inputs)[0]
+    (kh, kw), (sh, sw) = _window(layer)[:2]
+    sw = sh if layer.rank == 1 else sw  # the kernel wants equal strides; a width of 1 ignores sw
+    filter_grad = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
+        _examples_as_channels(inputs), tf.stack([kh, kw, examples, layer.filters]), _examples_as_channels(grads),
+        [1, sh, sw, 1], layer.padding.upper())  # [kh, kw, P, C_out]
+    return tf.reshape(tf.transpose(filter_grad, [2, 0, 1, 3]), tf.concat([[examples], layer.kernel.shape], axis=0))
 
 
 def _examples_as_channels(tensor: tf.Tensor) -> tf.Tensor:
@@ -89,15 +111,29 @@ def _examples_as_channels(tensor: tf.Tensor) -> tf.Tensor:
     return tf.reshape(tf.transpose(tensor, [1, 2, 0, 3]), tf.stack([1, shape[1], shape[2], shape[0] * shape[3]]))
 
 
-def _uses_grouped_route(layer, examples) -> bool:
-    """At most _GROUPED_MAX_CHANNELS input channels, undilated, per-example kernel gradients
-    within dense.EXPLICIT_FLOATS, and not under XLA (its CPU kernel for the depthwise form of
-    C_in = 1 took 8.9 s for the tutorial CNN's step; graph mode 4.4 ms). Otherwise: unfolded patches (Gram or
-    explicit form by cost)."""
+def _explicit_route(layer, examples):
+    """"grouped" or "depthwise" (per-example kernel gradients from one filter-gradient call)
+    or None (unfolded patches, Gram or explicit form by cost).
+
+    The explicit routes need at most _GROUPED_MAX_CHANNELS input channels, groups = 1,
+    no dilation, per-example kernel gradients within dense.EXPLICIT_FLOATS, and no XLA (its
+    CPU kernel for the depthwise form of C_in = 1 took 8.9 s for the tutorial CNN's step;
+    graph mode 4.4 ms). The grouped kernel where it exists, else depthwise (C_in = 1 and
+    equal strides, which its kernel requires)."""
     examples = _EXAMPLES_PER_CALL if examples is None else examples
     fits = examples * layer.kernel.shape.num_elements() <= dense.EXPLICIT_FLOATS
-    return (layer.kernel.shape[-2] <= _GROUPED_MAX_CHANNELS and fits and all(rate == 1 for rate in _window(layer)[2])
-            and not compiling_with_xla())
+    if not (layer.groups == 1 and layer.kernel.shape[-2] <= _GROUPED_MAX_CHANNELS and fits
+            and all(rate == 1 for rate in _window(layer)[2]) and not compiling_with_xla()):
+        return None
+    if grouped_conv_filter_gradient_available():
+        return "grouped"
+    strides = _window(layer)[1]
+    return "depthwise" if layer.kernel.shape[-2] == 1 and (layer.rank == 1 or strides[0] == strides[1]) else None
+
+
+def _uses_grouped_route(layer, examples) -> bool:
+    """True when the per-example kernel gradients come from one filter-gradient call."""
+    return _explicit_route(layer, examples) is not None
 
 
 def _trainable_bias(layer) -> bool:
@@ -109,7 +145,6 @@ class ConvRule(GhostRule):
         return (
             layer.rank in (1, 2)
             and layer.data_format == "channels_last"
-            and layer.groups == 1
             and layer.padding in ("valid", "same")
             and not lora_enabled(layer)
             and getattr(layer, "quantization_mode", None) is None
@@ -139,13 +174,39 @@ class ConvRule(GhostRule):
         return self._unfolded_contribution(layer, recordings, grads)
 
     def _unfolded_contribution(self, layer, recordings, grads):
+        """One Dense contribution per group on [P, T, kh·kw·C_in/G] patches."""
+        groups, has_bias = layer.groups, _trainable_bias(layer)
         patches, flat_grads = [], []
         for recording, grad in zip(recordings, grads):
             patches.append(_patches(layer, recording.inputs))
             flat_grads.append(tf.reshape(grad, tf.stack([tf.shape(grad)[0], -1, layer.filters])))
-        unfolded = dense.DenseContribution(tf.concat(patches, axis=1), tf.concat(flat_grads, axis=1),
-                                           _trainable_bias(layer), flat=False)
-        return CombinedContribution([unfolded], [tuple(v.shape) for v in self.variables(layer)])
+        patches, flat_grads = tf.concat(patches, axis=1), tf.concat(flat_grads, axis=1)
+        if groups == 1:
+            unfolded = dense.DenseContribution(patches, flat_grads, has_bias, flat=False)
+            return CombinedContribution([unfolded], [tuple(v.shape) for v in self.variables(layer)])
+        window = math.prod(_window(layer)[0])
+        shape = tf.shape(patches)
+        patches = tf.reshape(patches, tf.stack([shape[0], shape[1], window, groups, -1]))
+        flat_grads = tf.reshape(flat_grads, tf.stack([shape[0], shape[1], groups, -1]))
+        parts = [dense.DenseContribution(tf.reshape(patches[:, :, :, g], tf.stack([shape[0], shape[1], -1])),
+                                         flat_grads[:, :, g], has_bias, flat=False) for g in range(groups)]
+        return GroupedContribution(parts, tuple(layer.kernel.shape), has_bias)
+
+
+class GroupedContribution(CombinedContribution):
+    """G per-group Dense contributions of a grouped convolution: norms add up; the kernel
+    sums [kh·kw·C_in/G, C_out/G] are reshaped and concatenated along the output axis, as
+    are the bias sums."""
+
+    def __init__(self, parts, kernel_shape: tuple, has_bias: bool):
+        super().__init__(parts, [])
+        self.kernel_shape, self.has_bias = kernel_shape, has_bias
+
+    def weighted_sums(self, clip_factors):
+        sums = [part.weighted_sums(clip_factors) for part in self.parts]
+        group_shape = self.kernel_shape[:-1] + (self.kernel_shape[-1] // len(self.parts),)
+        kernel = tf.concat([tf.reshape(part_sums[0], group_shape) for part_sums in sums], axis=-1)
+        return [kernel, tf.concat([part_sums[1] for part_sums in sums], axis=0)] if self.has_bias else [kernel]
 
 
 register_ghost_rule(keras.layers.Conv1D, ConvRule())

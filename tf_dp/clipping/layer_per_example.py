@@ -13,6 +13,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp.clipping.clip import weighted_row_sum
+from tf_dp.clipping.kernels import require_grouped_conv_kernels
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording
 
 
@@ -53,6 +54,7 @@ class LayerPerExampleRule(GhostRule):
         return outputs
 
     def contribution(self, layer, recordings, output_grads):
+        require_grouped_conv_kernels([layer], f"The per-example replay of layer {layer.name!r} (no ghost rule applies)")
         variables = self.variables(layer)
         total = None
         for recording, grads in zip(recordings, output_grads):

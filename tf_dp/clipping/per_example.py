@@ -12,12 +12,15 @@ from typing import Callable, Optional, Sequence
 import keras
 import tensorflow as tf
 
+from tf_dp.clipping.kernels import require_grouped_conv_kernels
+
 
 def per_example_gradients(
     model, per_example_loss: Callable, x, y, weights: Optional[Sequence[tf.Tensor]] = None
 ) -> list[tf.Tensor]:
     """[P, *shape] per-example gradients for each of ``model.trainable_variables``, at the
     variables' values or at ``weights``."""
+    require_grouped_conv_kernels([model], "engine='vectorized' (per-example gradients by vectorized_map)")
     variables = model.trainable_variables
     values = [tf.convert_to_tensor(v.value) for v in variables] if weights is None else list(weights)
 
