@@ -88,7 +88,7 @@ def test_two_steps_draw_different_noise_and_seed_reproduces(jit_compile):
 def test_unseeded_optimizers_draw_fresh_noise():
     a = tf_dp.DPSGD(0.1, noise_multiplier=1.0)
     b = tf_dp.DPSGD(0.1, noise_multiplier=1.0)
-    assert a.seed is None and not np.array_equal(a._noise_seed.numpy(), b._noise_seed.numpy())
+    assert a.seed is None and not np.array_equal(a.noise_key().numpy(), b.noise_key().numpy())
 
 
 def test_poisson_step_divides_by_expected_not_realized_batch_size():
@@ -186,7 +186,7 @@ def test_dpadamw_bias_correction_uses_this_steps_sigma_w():
     model.train_on_batch(x, np.zeros((8, 4), "float32"))
     g = tf_dp.DPSGD(1.0, l2_norm_clip=clip, noise_multiplier=sigma, seed=5)
     replica = [keras.Variable(np.zeros((1, 4), "float32")), keras.Variable(np.zeros(4, "float32"))]
-    g.apply_private_gradients([tf.zeros((1, 4)), tf.zeros(4)], replica, 8.0)  # same noise key as the model's step
+    g.apply_private_gradients([tf.zeros((1, 4)), tf.zeros(4)], replica, 8.0, dp_step=0)  # the model's step 0, same key
     ghat = -replica[1].numpy()  # θ = 0 − 1·ĝ
     sigma_w2 = (sigma * clip / 8) ** 2
     m_hat, v_hat = ghat, ghat**2

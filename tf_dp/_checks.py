@@ -10,6 +10,8 @@ import math
 import numbers
 from typing import Any
 
+import numpy as np
+
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -51,6 +53,12 @@ def positive_int(name: str, value: Any) -> int:
     if value <= 0:
         raise ValueError(f"`{name}` must be a positive integer, got {value}.")
     return int(value)
+
+
+def boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be True or False, got {value!r}.")
+    return bool(value)
 
 
 def one_of(name: str, value: Any, choices: tuple[str, ...]) -> str:

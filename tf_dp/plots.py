@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
-from tf_dp.accounting import PrivacyLedger, compute_epsilon, epsilon_of_event
-from tf_dp.accounting.ledger import Phase
+from tf_dp.accounting import PrivacyLedger, compute_epsilon
+from tf_dp.accounting.ledger import Phase, epsilon_of_phases
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -103,17 +103,6 @@ def phases_until(phases: Sequence[Phase], step: int) -> list[Phase]:
             kept.append(dataclasses.replace(phase, steps=taken))
         remaining -= taken
     return kept
-
-
-def epsilon_of_phases(phases: Sequence[Phase], delta: float, accountant: str) -> float:
-    """ε of the composition of ``phases`` (RaCO-DP phases accounted jointly, as the ledger does)."""
-    if any(phase.histogram_noise for phase in phases):
-        from tf_dp.raco.accounting import epsilon_of_phases as raco_epsilon
-
-        return raco_epsilon(phases, delta, accountant)
-    from dp_accounting import dp_event
-
-    return epsilon_of_event(dp_event.ComposedDpEvent([phase.event() for phase in phases]), delta, accountant)
 
 
 def _ledger_and_settings(source: Any) -> tuple[PrivacyLedger, dict]:

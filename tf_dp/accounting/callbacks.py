@@ -38,10 +38,13 @@ class PrivacyReport(keras.callbacks.Callback):
 
 
 class PrivacyBudget(keras.callbacks.Callback):
-    """Stops training before a step would take ε above ``max_epsilon``.
+    """Never lets ε exceed ``max_epsilon``.
 
-    Each batch end checks whether ONE more step at the current σ and sampling rate would
-    exceed the budget; if so it stops, so the reported ε never exceeds ``max_epsilon``.
+    The largest total step count that fits the budget at the current σ and sampling rate
+    is handed to the model's ``StepLimit``, which the compiled step checks before it
+    releases anything — so the budget holds whatever ``steps_per_execution``,
+    ``steps_per_epoch`` or ``epochs`` say, and if a callback changes σ, steps are blocked
+    until the limit is recomputed for the new σ. Training stops once the limit is reached.
     """
 
     def __init__(self, max_epsilon: float, save_path: str | None = None):
@@ -53,47 +56,58 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._check_budget()  # a clear error before training if nothing is left
-        self._allowed_steps = None  # recomputed at the first batch, after any restore
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self._allowed_steps is None:  # after every on_train_begin (restores) has run
+        # After every on_train_begin (a restored ledger), and whenever σ has changed.
+        self._check_budget()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._sigma_changed():
             self._check_budget()
+        if self._allowed_steps is not None and self._steps() >= self._allowed_steps:
+            self.model.stop_training = True
+
+    def on_train_end(self, logs=None):
+        reached = self._allowed_steps is not None and self._steps() >= self._allowed_steps
+        self.model.step_limit.clear()
+        if self.save_path and reached:
+            self.model.save(self.save_path)
+            print(f"tf_dp: privacy budget ε = {self.max_epsilon} reached (ε = {self.model.get_epsilon():.4f}); "
+                  f"training stopped, model saved to {self.save_path}.")
 
     def _check_budget(self):
+        limit = self.model.step_limit
+        sigma = self.model.optimizer.noise_multiplier
+        if self._allowed_steps is not None and limit.is_set() and not limit.sigma_changed(sigma):
+            return
         self._allowed_steps = _max_total_steps(self.model, self.max_epsilon)
-        if self._allowed_steps is not None and self._steps() >= self._allowed_steps:
+        if self._allowed_steps is None:
+            limit.clear()
+            return
+        limit.set(self._allowed_steps, sigma)
+        if self._steps() >= self._allowed_steps:
             raise ValueError(
                 f"The privacy budget ε = {self.max_epsilon} is already spent "
                 f"(ε = {self.model.get_epsilon():.4f}); no further step is allowed."
             )
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self._allowed_steps is not None and self._steps() >= self._allowed_steps:
-            self.model.stop_training = True
-
-    def on_train_end(self, logs=None):
-        if self.save_path and self._allowed_steps is not None and self._steps() >= self._allowed_steps:
-            self.model.save(self.save_path)
-            print(f"tf_dp: privacy budget ε = {self.max_epsilon} reached (ε = {self.model.get_epsilon():.4f}); "
-                  f"training stopped, model saved to {self.save_path}.")
+    def _sigma_changed(self) -> bool:
+        return self.model.step_limit.sigma_changed(self.model.optimizer.noise_multiplier)
 
     def _steps(self) -> int:
         return int(self.model.privacy_ledger.steps.numpy())
 
 
 def _max_total_steps(model, max_epsilon: float):
-    """Largest total step count whose ε stays ≤ max_epsilon if the current phase continues."""
+    """Largest total step count whose ε stays ≤ max_epsilon if the current phase continues
+    at the optimizer's current σ (None: the budget never binds)."""
     ledger, settings = model.privacy_ledger, model.privacy_settings
     if not ledger.phases():
         return None
-    taken = int(ledger.steps.numpy())
+    taken, sigma = int(ledger.steps.numpy()), model.optimizer.noise_multiplier
 
     def fits(extra: int) -> bool:
-        ledger.steps.assign(taken + extra)
-        try:
-            return ledger.epsilon(settings["delta"], settings["accountant"]) <= max_epsilon
-        finally:
-            ledger.steps.assign(taken)
+        return ledger.epsilon_if_continued(extra, sigma, settings["delta"], settings["accountant"]) <= max_epsilon
 
     if not fits(0):
         return taken

@@ -12,6 +12,7 @@ reload covers every step ever taken. ε is the composition of all phases:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,10 +20,11 @@ import tensorflow as tf
 from dp_accounting import dp_event
 
 from tf_dp.accounting.accountant import epsilon_of_event
+from tf_dp.accounting.gaussian_laplace import epsilon_of_phases as joint_epsilon_of_phases
 
 SCHEMES = {1: "poisson", 2: "batches"}
 _CODES = {name: code for code, name in SCHEMES.items()}
-MAX_PHASES = 64
+MAX_PHASES = 256
 # scheme, sampling_rate, noise_multiplier, num_examples, expected_batch_size, first_step, histogram_noise
 _COLUMNS = 7
 
@@ -73,7 +75,12 @@ class PrivacyLedger(tf.Module):
         store[self.STORE_KEYS[1]] = self.steps.numpy()
 
     def load_from(self, store) -> None:
-        self.phase_table.assign(np.asarray(store[self.STORE_KEYS[0]]))
+        saved = np.asarray(store[self.STORE_KEYS[0]])
+        if len(saved) > MAX_PHASES and saved[MAX_PHASES:, 0].any():
+            raise ValueError(f"The saved privacy ledger has more than {MAX_PHASES} phases.")
+        table = np.zeros((MAX_PHASES, _COLUMNS))
+        table[: min(len(saved), MAX_PHASES)] = saved[:MAX_PHASES]  # files of older versions held 64 rows
+        self.phase_table.assign(table)
         self.steps.assign(np.asarray(store[self.STORE_KEYS[1]]))
 
     def _rows(self) -> np.ndarray:
@@ -113,21 +120,63 @@ class PrivacyLedger(tf.Module):
         phases = self.phases()
         return phases[-1] if phases else None
 
-    def record_step(self):
-        """Counts one DP step (runs inside the compiled train step)."""
-        self.steps.assign_add(1)
+    def record_step(self, noise_multiplier: tf.Tensor, taken: tf.Tensor | int = 1):
+        """Counts one DP step at the σ it actually used (runs inside the compiled step).
+
+        If σ differs from the current phase's (a callback or schedule changed it), a new
+        phase opens at this step — a copy of the current one with this σ — so the ledger
+        composes exactly what ran, step by step. ``taken`` is 1, or 0 for a step a privacy
+        budget blocked (it released nothing). Runs before the step's update: a full table
+        fails the step before anything is released.
+        """
+        table, steps = self.phase_table.read_value(), self.steps.read_value()
+        sigma = tf.cast(noise_multiplier, tf.float64)
+        count = tf.reduce_sum(tf.cast(table[:, 0] > 0, tf.int32))
+        last = tf.maximum(count - 1, 0)
+        current = table[last]
+        changed = tf.logical_and(count > 0, tf.logical_and(tf.cast(taken, tf.bool), current[2] != sigma))
+        # A phase that has not taken a step yet is replaced rather than followed.
+        index = tf.where(current[5] == tf.cast(steps, tf.float64), last, count)
+        capacity = tf.debugging.Assert(tf.logical_or(tf.logical_not(changed), index < MAX_PHASES),
+                                       [f"The privacy ledger holds at most {MAX_PHASES} phases: noise_multiplier "
+                                        "changed too often."])
+        with tf.control_dependencies([capacity]):
+            row = tf.tensor_scatter_nd_update(current, [[2], [5]], tf.stack([sigma, tf.cast(steps, tf.float64)]))
+            updated = tf.tensor_scatter_nd_update(table, [[tf.minimum(index, MAX_PHASES - 1)]], row[None])
+            self.phase_table.assign(tf.where(changed, updated, table))
+            self.steps.assign_add(tf.cast(taken, tf.int64))
 
     def event(self) -> dp_event.DpEvent:
-        phases = [p.event() for p in self.phases()]
-        return dp_event.ComposedDpEvent(phases) if phases else dp_event.NoOpDpEvent()
+        return composed_event(self.phases())
 
     def epsilon(self, delta: float, accountant: str = "rdp") -> float:
         """ε at δ of every step taken so far (0 before the first step)."""
         if int(self.steps.numpy()) == 0:
             return 0.0
-        phases = self.phases()
-        if any(p.histogram_noise for p in phases):
-            from tf_dp.raco.accounting import epsilon_of_phases  # RaCO-DP's joint accounting
+        return epsilon_of_phases(self.phases(), delta, accountant)
 
-            return epsilon_of_phases(phases, delta, accountant)
-        return epsilon_of_event(self.event(), delta, accountant)
+    def epsilon_if_continued(self, extra_steps: int, noise_multiplier: float, delta: float,
+                             accountant: str = "rdp") -> float:
+        """ε after ``extra_steps`` more steps of the current phase at ``noise_multiplier``
+        (the σ the next steps will use, which a callback may have changed)."""
+        phases = self.phases()
+        if not phases:
+            raise ValueError("No phase is open: the ledger cannot project future steps.")
+        future = dataclasses.replace(phases[-1], noise_multiplier=float(np.float32(noise_multiplier)),
+                                     steps=int(extra_steps))
+        return epsilon_of_phases(phases + [future], delta, accountant)
+
+
+def composed_event(phases: list[Phase]) -> dp_event.DpEvent:
+    events = [p.event() for p in phases]
+    return dp_event.ComposedDpEvent(events) if events else dp_event.NoOpDpEvent()
+
+
+def epsilon_of_phases(phases: list[Phase], delta: float, accountant: str = "rdp") -> float:
+    """ε at δ of the composition of ``phases``; RaCO-DP phases (Gaussian + Laplace on one
+    batch) are accounted jointly (``tf_dp.accounting.gaussian_laplace``)."""
+    if not any(p.steps for p in phases):
+        return 0.0
+    if any(p.histogram_noise for p in phases):
+        return joint_epsilon_of_phases(phases, delta, accountant)
+    return epsilon_of_event(composed_event(phases), delta, accountant)

@@ -1,6 +1,8 @@
-"""Noise: the Gaussian mechanism's draw (ALGORITHMS §1 step 4) and RaCO-DP's Laplace."""
+"""Noise: the Gaussian mechanism's draw (ALGORITHMS §1 step 4) and RaCO-DP's Laplace,
+keyed by a secret that is never saved (``key``) and a counter that never repeats."""
 
-from tf_dp.noise.gaussian import add_gaussian_noise, new_seed, secure_key
+from tf_dp.noise.gaussian import add_gaussian_noise
+from tf_dp.noise.key import NoiseKey, new_seed, secure_key
 from tf_dp.noise.laplace import laplace_noise
 
-__all__ = ["add_gaussian_noise", "laplace_noise", "new_seed", "secure_key"]
+__all__ = ["NoiseKey", "add_gaussian_noise", "laplace_noise", "new_seed", "secure_key"]

@@ -3,7 +3,10 @@
 Each step draws N(0, stddev² I) for every coordinate of the model from Philox seeded by
 the pair (run's 64-bit key, an index unique to (step, variable, replica)). Keyed draws make a run
 reproducible from its seed, keep two steps' noise independent (never a reused counter),
-and survive checkpoint/resume (the counter comes from the saved step count). Philox under XLA on CPU was measured 30x faster than
+and survive checkpoint/resume: the counter is the model's DP step count (its privacy
+ledger, saved with the model), so it never repeats over the model's life — not across
+``fit`` calls, recompiles with a new optimizer and the same seed, gradient-accumulation
+micro-steps, or a resume; the key itself is never saved (``tf_dp.noise.key``). Philox under XLA on CPU was measured 30x faster than
 ``keras.random.normal``. XLA's Philox kernel lays out counters differently from TF's, so
 a run with ``jit_compile=True`` draws a different (equally distributed) stream than one
 without; each is reproducible from its seed.
@@ -11,21 +14,9 @@ without; each is reproducible from its seed.
 
 from __future__ import annotations
 
-import secrets
 from typing import Sequence
 
 import tensorflow as tf
-
-
-def new_seed() -> int:
-    """A fresh 63-bit seed from the OS CSPRNG (used when the user passes ``seed=None``)."""
-    return secrets.randbits(63)
-
-
-def secure_key() -> tf.Tensor:
-    """A fresh Philox key from the OS CSPRNG at every call of the compiled step
-    (``secure_mode``): the noise cannot be reproduced from any stored seed. Not XLA-compilable."""
-    return tf.reshape(tf.py_function(lambda: new_seed(), [], tf.int64), [])
 
 
 def _philox_normal(shape, key: tf.Tensor, block: tf.Tensor, dtype) -> tf.Tensor:
@@ -50,7 +41,8 @@ def add_gaussian_noise(
       tensors: the clipped gradient sums, one per trainable variable.
       stddev: σ·C, the noise standard deviation on the SUM.
       seed: int64 scalar, the run's Philox key.
-      step: the optimizer step; distinct steps give independent noise.
+      step: the model's DP step count before this step (the ledger's), unique over the
+        model's life; distinct steps give independent noise.
       replica, replicas: under tf.distribute each of R replicas draws its own share (the
         caller scales the std by 1/√R so the all-reduced sum has std ``stddev``·√R/√R).
     """

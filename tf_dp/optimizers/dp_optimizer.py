@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tf_dp import _checks
 from tf_dp.clipping import CURRENT_WEIGHTS
-from tf_dp.noise import add_gaussian_noise, new_seed, secure_key
+from tf_dp.noise import NoiseKey, add_gaussian_noise, secure_key
 
 _NOT_CALIBRATED = float("nan")
 
@@ -45,6 +45,9 @@ class DPOptimizer:
       noise_multiplier: σ; the noise on the clipped sum has std σ·C. ``None`` only when a
         ``target_epsilon`` given to ``DPModel.compile`` calibrates it before training.
       seed: key of the noise stream (reproducible). ``None`` draws a fresh one from the OS.
+        The key is a secret kept in memory only: it is never written into a saved model,
+        weights file, checkpoint or ``get_config`` (whoever held it could subtract the
+        noise). Pass the same seed again to resume a reproducible run.
       secure_mode: draw a fresh key from the OS CSPRNG at every step (and Poisson batches
         from OS entropy): the production setting; no seed, no XLA.
     """
@@ -56,25 +59,28 @@ class DPOptimizer:
             noise_multiplier = _checks.non_negative(
                 "noise_multiplier", noise_multiplier, "Noise std on the clipped sum is noise_multiplier * l2_norm_clip."
             )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-            raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
         if not isinstance(secure_mode, bool):
             raise TypeError(f"`secure_mode` must be a bool, got {secure_mode!r}.")
-        if secure_mode and seed is not None:
-            raise ValueError("`secure_mode=True` draws every step's noise key from the OS CSPRNG; it accepts no "
-                             "`seed`. Pass seed=None (or secure_mode=False for reproducible runs).")
+        self._check_seed(seed, secure_mode)
         self.secure_mode = secure_mode
         self._user_seed = None if seed is None else int(seed)
-        noise_key = int(seed if seed is not None else new_seed()) & (2**63 - 1)
+        self._noise_key = NoiseKey(self._user_seed)
         with keras.name_scope(self.name, caller=self):
             self._l2_norm_clip = self._dp_variable("l2_norm_clip", l2_norm_clip, "float32")
             self._noise_multiplier = self._dp_variable(
                 "noise_multiplier", _NOT_CALIBRATED if noise_multiplier is None else noise_multiplier, "float32"
             )
-            self._noise_seed = self._dp_variable("noise_seed", noise_key, "int64")
             # σ_w = σ·C/L of the latest step, the noise std on the averaged gradient; read
             # by noise-bias corrections (DP-AdamBC, FIBER).
             self._averaged_noise_stddev = self._dp_variable("averaged_noise_stddev", 0.0, "float32")
+
+    @staticmethod
+    def _check_seed(seed, secure_mode: bool):
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
+        if secure_mode and seed is not None:
+            raise ValueError("`secure_mode=True` draws every step's noise key from the OS CSPRNG; it accepts no "
+                             "`seed`. Pass seed=None (or secure_mode=False for reproducible runs).")
 
     def _dp_variable(self, name, value, dtype):
         variable = keras.Variable(
@@ -106,9 +112,21 @@ class DPOptimizer:
     def seed(self) -> Optional[int]:
         return self._user_seed
 
+    @seed.setter
+    def seed(self, value: Optional[int]):
+        """Re-keys the noise: pass a run's seed again after loading its model (seeds are
+        never saved), or None for a fresh key from the OS."""
+        self._check_seed(value, self.secure_mode)
+        self._user_seed = None if value is None else int(value)
+        self._noise_key.rekey(self._user_seed)
+
     def noise_key(self) -> tf.Tensor:
-        """This step's Philox key: the stored seed, or fresh OS entropy in secure mode."""
-        return secure_key() if self.secure_mode else self._noise_seed.value
+        """This step's Philox key: the in-memory key, or fresh OS entropy in secure mode."""
+        return secure_key() if self.secure_mode else self._noise_key.read()
+
+    def noise_multiplier_tensor(self) -> tf.Tensor:
+        """σ as a tensor, read once per compiled step (noise and ledger use the same read)."""
+        return self._noise_multiplier.value
 
     def clip_bound(self) -> tf.Tensor:
         """C as a tensor, read inside the compiled train step."""
@@ -129,6 +147,10 @@ class DPOptimizer:
         trainable_variables: Sequence,
         expected_batch_size: tf.Tensor,
         public_gradients: Optional[Sequence[Optional[tf.Tensor]]] = None,
+        *,
+        dp_step: tf.Tensor,
+        noise_multiplier: Optional[tf.Tensor] = None,
+        release: Optional[tf.Tensor] = None,
     ):
         """ĝ = (Σ_i ḡ_i + N(0, σ²C² I)) / L, then the base optimizer's update with ĝ.
 
@@ -138,20 +160,29 @@ class DPOptimizer:
           expected_batch_size: L — expected Poisson batch size or an explicit batch's size.
           public_gradients: data-independent terms (e.g. weight regularizers) added after
             averaging; they cost no privacy.
+          dp_step: the model's DP step count before this step (its ledger's): the noise
+            counter, unique over the model's life.
+          noise_multiplier: σ of this step (default: the variable's value), the same read
+            the ledger records.
+          release: 1.0, or 0.0 when a privacy budget forbids this step: then the base
+            update receives a zero gradient (a function of public state only).
         """
         trainable_variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
-        stddev_on_sum = self._noise_multiplier.value * self._l2_norm_clip.value
+        sigma = self.noise_multiplier_tensor() if noise_multiplier is None else noise_multiplier
+        stddev_on_sum = sigma * self._l2_norm_clip.value
         denominator = tf.cast(expected_batch_size, tf.float32)
         replica, replicas = _replica()
         # Under tf.distribute the R replicas' averaged gradients are SUMMED by the optimizer:
         # each adds an independent N(0, σ²C²/R) share, so the global sum carries exactly
         # N(0, σ²C²), added once (R = 1: the plain mechanism).
         noisy_sums = add_gaussian_noise(list(clipped_sums), stddev_on_sum / replicas**0.5, self.noise_key(),
-                                        self.iterations, replica, replicas)
+                                        dp_step, replica, replicas)
         averaged = [g / tf.cast(denominator, g.dtype) for g in noisy_sums]
+        if release is not None:
+            averaged = [g * tf.cast(release, g.dtype) for g in averaged]
         self._averaged_noise_stddev.assign(stddev_on_sum / denominator)
         if public_gradients is not None:
             averaged = [g if p is None else g + tf.cast(p, g.dtype) for g, p in zip(averaged, public_gradients)]
@@ -169,6 +200,6 @@ class DPOptimizer:
         return {
             "l2_norm_clip": self.l2_norm_clip,
             "noise_multiplier": self.noise_multiplier,
-            "seed": self._user_seed,
+            "seed": None,  # the seed is the user's secret: never serialized
             "secure_mode": self.secure_mode,
         }

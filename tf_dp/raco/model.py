@@ -76,6 +76,9 @@ class RateConstrainedModel(DPModel):
         self._require_raco_compiled()
         if kwargs.get("validation_split"):
             raise ValueError("Pass `validation_data` instead of `validation_split` to RateConstrainedModel.fit.")
+        if isinstance(x, tf.data.Dataset):
+            raise ValueError("RateConstrainedModel.fit needs arrays x, y and groups (Poisson batches, accounted "
+                             "jointly with the histogram); a tf.data.Dataset is not supported.")
         self._fit_groups = self._checked_groups(groups, y)
         try:
             return super().fit(x, y, **kwargs)
@@ -119,20 +122,24 @@ class RateConstrainedModel(DPModel):
         # ONE noisy histogram of the whole global batch, identical on every replica: this
         # replica's counts are all-reduced and one Laplace draw is added (NoisyHistogram.release).
         # Γ, N̂, W and the dual step below all read it, so they agree across replicas too.
+        # The Laplace counter is the ledger's step count, like the Gaussian's: unique over the model's life.
         noisy = self.histogram.release(self._batch_histogram(x, partitions, mask),
-                                       self.optimizer.noise_key(), self.optimizer.iterations)
+                                       self.optimizer.noise_key(), self.privacy_ledger.steps.read_value())
         values = self.constraint_set.values(noisy)
         violated = values > self.constraint_set.bounds
+        multipliers = self.multipliers.read_value()
+        previous_values = self.constraint_values.read_value()
         if self.fixed_penalty is None:
-            multipliers = self.multipliers.read_value()
             updated = tf.maximum(0.0, multipliers + self.dual_learning_rate * (values - self.constraint_set.bounds))
         else:
             multipliers = updated = self.fixed_penalty * tf.cast(violated, tf.float32)
         self._lagrangian = (self.constraint_set.coefficients(noisy, multipliers), expected_batch_size)
         packed = tf.stack([tf.cast(y, tf.int32), partitions], axis=-1)
         logs = self._dp_step(x, packed, mask, expected_batch_size)
-        self.multipliers.assign(updated)
-        self.constraint_values.assign(values)
+        # A step the privacy budget blocked releases nothing: λ and Γ keep their values.
+        released = self._release > 0
+        self.multipliers.assign(tf.where(released, updated, multipliers))
+        self.constraint_values.assign(tf.where(released, values, previous_values))
         return logs
 
     def _batch_histogram(self, x, partitions, mask):

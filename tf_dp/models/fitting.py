@@ -1,0 +1,292 @@
+"""DP ``fit`` and ``train_on_batch``: which batches a step sees, and the phase the ledger opens.
+
+Arrays and unbatched datasets are Poisson-sampled (q = L/N, the accountant's assumption).
+Explicit batches (a batched dataset, ``train_on_batch``) cannot be resampled: each step is
+accounted as a full Gaussian mechanism, and the noisy sum is divided by a DECLARED batch
+size L — ``batch_size=``, or the dataset's static batch dimension, or the first batch of a
+``train_on_batch`` phase — never by each batch's realized size, which changes with the
+data under add/remove adjacency (ALGORITHMS §7).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_dp import _checks
+from tf_dp.accounting import calibrate_noise_multiplier
+from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
+from tf_dp.models.data import (agreed_sampling_seed, as_arrays, distributed_poisson_dataset, is_batched_dataset,
+                               num_rows, poisson_dataset)
+from tf_dp.optimizers import DPOptimizer
+
+
+class DPFitting:
+    """``fit``/``train_on_batch`` of DP models (mixed into DPModelMixin)."""
+
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size: Optional[int] = None,
+        epochs: int = 1,
+        verbose="auto",
+        callbacks=None,
+        validation_split: float = 0.0,
+        validation_data=None,
+        initial_epoch: int = 0,
+        steps_per_epoch: Optional[int] = None,
+        physical_batch_size: Optional[int] = None,
+        sampling_seed: Optional[int] = None,
+        **kwargs,
+    ):
+        """Keras ``fit`` with Poisson sampling (rate q = batch_size / N) for arrays and
+        unbatched ``tf.data`` datasets.
+
+        An epoch is ⌈N/L⌉ steps. Batched datasets cannot be resampled: they are trained
+        as given, averaged over the declared ``batch_size`` (default: the dataset's static
+        batch size) and accounted WITHOUT sampling amplification, with a warning.
+        ``sampling_seed`` makes the batches reproducible; like the noise seed it is a secret
+        (amplification by sampling assumes the batches are unknown) and is never saved.
+        """
+        self._require_dp_compiled()
+        for unsupported in ("shuffle", "class_weight", "sample_weight"):
+            if kwargs.get(unsupported) not in (None, True) or (unsupported != "shuffle" and unsupported in kwargs):
+                raise ValueError(f"`{unsupported}` is not supported by DP fit (Poisson sampling replaces it).")
+        kwargs.pop("shuffle", None)
+        callbacks = list(callbacks or [])
+        if isinstance(x, tf.data.Dataset) and is_batched_dataset(x, self):
+            self._refuse_multi_worker("a batched dataset")
+            return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
+                                           steps_per_epoch, **kwargs)
+        x, y = as_arrays(x, y)
+        if validation_split:
+            (x, y), validation_data = _split_tail(x, y, validation_split)
+        num_examples = num_rows(x)
+        if batch_size is None:
+            raise ValueError("`batch_size` (the expected Poisson batch size L) is required for DP fit.")
+        batch_size = _checks.batch_size_for(num_examples, batch_size)
+        if self._dp["delta"] >= 1 / num_examples:
+            warnings.warn(f"tf_dp: delta = {self._dp['delta']:g} >= 1/N = {1 / num_examples:.3g}: a mechanism that "
+                          "publishes one random example outright meets such a delta. Use delta <= 1/N.", stacklevel=2)
+        steps = steps_per_epoch or math.ceil(num_examples / batch_size)
+        # Privacy callbacks go first so that user callbacks (TensorBoard, CSVLogger) see ε in the logs.
+        callbacks = self._privacy_callbacks(num_examples, batch_size, steps * (epochs - initial_epoch)) + callbacks
+        self._open_phase("poisson", batch_size / num_examples, num_examples, batch_size)
+        if self.optimizer.secure_mode and sampling_seed is not None:
+            raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
+        steps_taken = StepsTaken(self.privacy_ledger)
+        callbacks.append(steps_taken)  # last: its on_train_begin sees a ledger BackupAndRestore restored
+        dataset = self._poisson_stream(x, y, num_examples, batch_size, physical_batch_size, sampling_seed,
+                                       steps_taken)
+        self._prebuild(x, y)
+        return super().fit(
+            dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
+            initial_epoch=initial_epoch, steps_per_epoch=steps, shuffle=False, **kwargs,
+        )
+
+    def _fit_fixed_batches(self, dataset, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
+                           steps_per_epoch, **kwargs):
+        declared = declared_batch_size(dataset, batch_size)
+        warnings.warn(
+            "tf_dp: fit() received a BATCHED dataset, which cannot be Poisson-resampled. Its steps are "
+            "accounted as full Gaussian mechanisms without sampling amplification (much larger ε), and each "
+            f"noisy sum is divided by the declared batch size {declared}. "
+            "Pass arrays or an unbatched dataset with batch_size=... for Poisson sampling.",
+            stacklevel=3,
+        )
+        if self._dp["target_epsilon"] is not None:
+            raise ValueError("`target_epsilon` calibration needs Poisson sampling: pass arrays or an unbatched dataset.")
+        callbacks = [PrivacyReport()] + callbacks
+        self._open_phase("batches", 1.0, 0, declared)
+        return super().fit(dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
+                           initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, **kwargs)
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False,
+                       batch_size: Optional[int] = None):
+        """One DP step on an explicit batch, accounted as a Gaussian mechanism without
+        sampling amplification. The noisy sum is divided by ``batch_size`` (default: the
+        size of the first batch of this phase, then fixed) — a public constant, never each
+        batch's own size."""
+        self._require_dp_compiled()
+        if sample_weight is not None or class_weight is not None:
+            raise ValueError("`sample_weight`/`class_weight` are not supported by DP training in tf_dp.")
+        if self.distribute_strategy.num_replicas_in_sync > 1:
+            # Keras hands every replica the whole explicit batch: each example would be
+            # clipped and summed R times (sensitivity R·C). Datasets are split correctly.
+            raise ValueError("train_on_batch is not supported under a multi-replica tf.distribute strategy: "
+                             "use fit(), which splits batches across replicas.")
+        if batch_size is None:
+            phase = self.privacy_ledger.current_phase()
+            running = phase is not None and phase.scheme == "batches" and phase.expected_batch_size > 0
+            batch_size = phase.expected_batch_size if running else num_rows(x)
+        self._open_phase("batches", 1.0, 0, _checks.positive("batch_size", batch_size))
+        if not self.built:
+            self._prebuild(x, y)
+        self._build_optimizer()
+        return super().train_on_batch(x, y, return_dict=return_dict)
+
+    def _poisson_stream(self, x, y, num_examples, batch_size, physical_batch_size, sampling_seed, steps_taken):
+        """The Poisson batches ``fit`` trains on: the batch of step t at step t, one global
+        batch per step, which tf.distribute replicas split by chunks (never duplicate)."""
+        strategy, secure = self.distribute_strategy, self.optimizer.secure_mode
+        extras = self._per_example_extras(num_examples)
+        steps_taken = steps_taken.read
+        if strategy.num_replicas_in_sync == 1:
+            return poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, sampling_seed, extras,
+                                   secure=secure, first_step=steps_taken)
+        if secure:
+            self._refuse_multi_worker("secure_mode=True (each worker would draw its own OS-entropy batch)")
+        seed = sampling_seed if secure else agreed_sampling_seed(strategy, sampling_seed)
+        return distributed_poisson_dataset(strategy, x, y, num_examples, batch_size, physical_batch_size, seed,
+                                           extras, secure=secure, first_step=steps_taken)
+
+    def _refuse_multi_worker(self, what: str):
+        """Workers would each read their own data, so one global step could read an example
+        more than once (sensitivity above C) or not be the batch the accountant assumes."""
+        if isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            raise ValueError(
+                f"tf_dp cannot train on {what} under MultiWorkerMirroredStrategy: workers could read the same "
+                "examples in one step. Pass arrays (or an unbatched dataset) with batch_size=..., for which fit draws "
+                "one shared Poisson batch per step and splits it across all workers."
+            )
+
+    def _per_example_extras(self, num_examples: int) -> dict:
+        """Per-example arrays the Poisson stream carries besides x and y (none for DP-SGD)."""
+        return {}
+
+    def _require_dp_compiled(self):
+        if not isinstance(getattr(self, "optimizer", None), DPOptimizer) or self._dp_loss is None:
+            raise RuntimeError(f"Compile the {type(self).__name__} with a tf_dp optimizer and a loss before training.")
+
+    def _open_phase(self, scheme, sampling_rate, num_examples, expected_batch_size):
+        self._phase_arguments = (scheme, sampling_rate, num_examples, expected_batch_size)
+        sigma = self.optimizer.noise_multiplier
+        if sigma is None:
+            raise ValueError(
+                "The optimizer's `noise_multiplier` is None: set it, or pass `target_epsilon` to compile() "
+                "so that fit() calibrates it."
+            )
+        if scheme == "batches":
+            self._declared_batch_size.assign(float(expected_batch_size))
+        self.privacy_ledger.open_phase(scheme, sampling_rate, sigma, num_examples, expected_batch_size,
+                                       self._histogram_noise())
+
+    def reopen_phase(self):
+        """Re-records the running phase (after a callback such as BackupAndRestore has
+        replaced the ledger with a checkpoint's): its steps are then composed correctly."""
+        if getattr(self, "_phase_arguments", None):
+            self._open_phase(*self._phase_arguments)
+
+    def _histogram_noise(self) -> float:
+        """Laplace scale of a histogram released from the same batch (RaCO-DP); 0: none."""
+        return 0.0
+
+    def _privacy_callbacks(self, num_examples, batch_size, planned_steps):
+        target = self._dp["target_epsilon"]
+        if target is None:
+            return [PrivacyReport()]
+        sigma = calibrate_noise_multiplier(
+            target, num_examples, batch_size, steps=max(planned_steps, 1), delta=self._dp["delta"],
+            accountant=self._dp["accountant"], prior_event=self._prior_event(),
+        )
+        self.optimizer.noise_multiplier = float(np.nextafter(np.float32(sigma), np.float32(np.inf)))  # float32 ≥ σ
+        print(f"tf_dp: noise_multiplier calibrated to {sigma:.4f} for ε ≤ {target} at δ = {self._dp['delta']:g} "
+              f"over {planned_steps} steps ({self._dp['accountant'].upper()}).")
+        return [PrivacyReport(), PrivacyBudget(target)]
+
+    def _prior_event(self):
+        return self.privacy_ledger.event() if int(self.privacy_ledger.steps.numpy()) else None
+
+    def _prebuild(self, x, y):
+        """Builds model, metrics and optimizer from one example, since the Poisson stream's
+        elements are not plain (x, y) batches."""
+        sample = tf.nest.map_structure(lambda a: a[:1], (x, y))
+        with self.distribute_strategy.scope():
+            self._symbolic_build(data_batch=sample)
+            self._build_optimizer()
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Under a tf.distribute strategy Keras would build by consuming one batch of the
+        # training iterator; fit has already built the model (_prebuild), and a consumed
+        # Poisson batch would shift the stream against the step count (see poisson_dataset).
+        if iterator is not None and self.built and self.optimizer is not None and self.optimizer.built:
+            return
+        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def _build_optimizer(self):
+        """Eagerly, so that optimizer state initialised from the weights (θ_{t−1} of
+        DiSK/FIBER) is created before the train step is traced."""
+        if not self.optimizer.built:
+            self.optimizer.build(self.trainable_variables)
+
+
+def declared_batch_size(dataset: tf.data.Dataset, batch_size: Optional[int]) -> int:
+    """The public L a batched dataset's noisy sums are divided by: ``batch_size`` if given,
+    else the static batch dimension (``batch(L, drop_remainder=True)``), else the L of the
+    pipeline's last ``batch(L)`` — a constant of the pipeline's code, not of the data."""
+    if batch_size is not None:
+        return _checks.positive_int("batch_size", batch_size)
+    spec = dataset.element_spec
+    first = tf.nest.flatten(spec[0] if isinstance(spec, tuple) else spec)[0]
+    static = first.shape[0] if first.shape.rank else None
+    static = static or _pipeline_batch_size(dataset)
+    if static is None:
+        raise ValueError(
+            "fit() on a batched dataset needs the batch size to divide the noisy sum by: pass batch_size=... (the "
+            "size your pipeline batches with), or batch with drop_remainder=True. tf_dp never divides by a "
+            "batch's realized size, which depends on the data.")
+    return int(static)
+
+
+def _pipeline_batch_size(dataset) -> Optional[int]:
+    """L of the last ``Dataset.batch(L)`` in the pipeline, if tf.data exposes it."""
+    while dataset is not None:
+        size = getattr(dataset, "_batch_size", None)
+        if size is not None:
+            value = tf.get_static_value(size)
+            return int(value) if value is not None and value > 0 else None
+        dataset = getattr(dataset, "_input_dataset", None)
+    return None
+
+
+class StepsTaken(keras.callbacks.Callback):
+    """The number of DP steps taken as of the last finished batch, for the Poisson stream to
+    read when an iterator starts. Read from the ledger once at the start of training (after
+    BackupAndRestore may have restored it), then counted in Python: reading the variable
+    inside a step would race with the step's own increment (tf.data starts the generator
+    inside the step's graph), and reading it after every batch would stall the pipeline."""
+
+    def __init__(self, ledger):
+        super().__init__()
+        self._ledger = ledger
+        self._value = int(ledger.steps.numpy())
+        self._last_batch = -1
+
+    def read(self) -> int:
+        return self._value
+
+    def on_train_begin(self, logs=None):
+        self._value = int(self._ledger.steps.numpy())
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last_batch = -1
+
+    def on_train_batch_end(self, batch, logs=None):
+        # ``batch`` is the last step of the execution (several with steps_per_execution > 1).
+        self._value += batch - self._last_batch
+        self._last_batch = batch
+
+
+def _split_tail(x, y, fraction):
+    fraction = _checks.in_open_unit_interval("validation_split", fraction)
+    n = num_rows(x)
+    cut = n - int(round(n * fraction))
+    head = lambda a: a[:cut]  # noqa: E731
+    tail = lambda a: a[cut:]  # noqa: E731
+    return (tf.nest.map_structure(head, x), head(y)), (tf.nest.map_structure(tail, x), tail(y))

@@ -1,0 +1,60 @@
+"""The secret that determines a run's noise, held in process memory only.
+
+Whoever knows the Philox key can regenerate every step's noise, subtract it from the
+change of the weights between two released iterates, and recover the exact clipped
+gradient sum — and with it which examples were in the batch. So the key is NEVER saved:
+it is not a Keras variable of the optimizer (``.keras`` files, weights files and
+checkpoints store those), not in ``get_config``, not in ``privacy.json``. A run started
+with ``seed=None`` draws its key from the OS CSPRNG, and a resumed run draws a fresh one;
+a user seed is the user's secret, to be passed again on resume. Uniqueness of the draws
+over the model's whole life comes from the counter (the ledger's DP step count, saved
+with the model), not from the key: see ``tf_dp.noise.gaussian``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+
+def new_seed() -> int:
+    """A fresh 63-bit seed from the OS CSPRNG (used when the user passes ``seed=None``)."""
+    return secrets.randbits(63)
+
+
+def secure_key() -> tf.Tensor:
+    """A fresh Philox key from the OS CSPRNG at every call of the compiled step
+    (``secure_mode``): the noise cannot be reproduced from any stored seed. Not XLA-compilable."""
+    return tf.reshape(tf.py_function(lambda: new_seed(), [], tf.int64), [])
+
+
+class NoiseKey:
+    """A 63-bit Philox key in a TF variable that no saver can reach.
+
+    The holder is a plain Python object, not a ``tf.Module``/``Trackable``: an optimizer
+    attribute holding it is invisible to Keras saving and to ``tf.train.Checkpoint``, while
+    the compiled train step reads the variable like any other (so a new key needs no retrace).
+    """
+
+    def __init__(self, seed: Optional[int] = None):
+        with tf.init_scope():
+            self._variable = tf.Variable(_key_of(seed), trainable=False, name="noise_key",
+                                         synchronization=tf.VariableSynchronization.ON_WRITE,
+                                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def read(self) -> tf.Tensor:
+        return self._variable.read_value()
+
+    def rekey(self, seed: Optional[int] = None) -> None:
+        """A new key (``seed``, or fresh OS entropy), seen by already-traced steps too."""
+        self._variable.assign(_key_of(seed))
+
+    def __repr__(self) -> str:
+        return "NoiseKey(<secret>)"
+
+
+def _key_of(seed: Optional[int]) -> np.int64:
+    return np.int64((seed if seed is not None else new_seed()) & (2**63 - 1))
