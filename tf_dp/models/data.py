@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable, Optional
 
 import numpy as np
@@ -55,15 +56,123 @@ def as_arrays(x, y):
 
 
 def is_batched_dataset(dataset: tf.data.Dataset, model) -> bool:
-    """True if elements carry a batch axis: same rank as the model's inputs (when known),
-    else an unknown leading dimension."""
-    spec = dataset.element_spec
-    x_spec = spec[0] if isinstance(spec, tuple) else spec
-    first = tf.nest.flatten(x_spec)[0]
-    inputs = getattr(model, "inputs", None)
+    """True if the dataset's elements are batches of examples, False if each element is one
+    example; raises ValueError when neither is established by a fact.
+
+    The privacy unit is never guessed from a shape alone. Facts, in order:
+      1. the model's input rank r (functional ``model.inputs``, or the shape a subclassed
+         model was built with): elements of rank r are batches, of rank r − 1 examples;
+      2. the dataset's own graph: batched if every path from its output meets a batching
+         transformation (batch, padded_batch, map_and_batch, rebatch, ...) before any unbatch.
+    Otherwise (an unbuilt subclassed model and a dataset not ending in a batch) it refuses:
+    reading a batch as one example would account N = number of batches."""
+    element_rank = len(_first_leaf(_x_spec(dataset.element_spec)).shape)
+    model_rank = model_input_rank(model)
+    if model_rank is not None:
+        return _batched_by_rank(element_rank, model_rank, model)
+    if dataset_ends_in_batch(dataset):
+        return True
+    raise ValueError(
+        f"tf_dp cannot tell whether this dataset's elements (x of shape {_first_leaf(_x_spec(dataset.element_spec)).shape}) "
+        f"are single examples or batches: {getattr(model, 'name', 'the model')} is not built, so its input shape is "
+        "unknown, and the dataset does not end in .batch(). Guessing would risk counting each batch as one example "
+        "(N = number of batches, far too small an epsilon). Build the model first: call it once on a batch "
+        "(model(x[:1])) or model.build((None, *example_shape)); or pass arrays x, y with batch_size=... (Poisson "
+        "sampling), or a dataset ending in .batch(...) (fixed batches, accounted without amplification)."
+    )
+
+
+def _x_spec(spec):
+    return spec[0] if isinstance(spec, tuple) else spec
+
+
+def _first_leaf(structure):
+    return tf.nest.flatten(structure)[0]
+
+
+def _batched_by_rank(element_rank: int, model_rank: int, model) -> bool:
+    if element_rank in (model_rank, model_rank - 1):
+        return element_rank == model_rank
+    raise ValueError(
+        f"The dataset's x elements have rank {element_rank}, but {model.name} takes inputs of rank {model_rank} "
+        f"(with the batch axis): elements must be single examples (rank {model_rank - 1}) or batches (rank {model_rank})."
+    )
+
+
+def model_input_rank(model) -> Optional[int]:
+    """Rank (batch axis included) of the model's first input, if known: from a functional
+    model's ``inputs``, else from the shape it was built with; None for an unbuilt model."""
+    try:
+        inputs = getattr(model, "inputs", None)
+    except (AttributeError, ValueError):
+        inputs = None
     if inputs:
-        return len(first.shape) == len(tf.nest.flatten(inputs)[0].shape)
-    return len(first.shape) > 0 and first.shape[0] is None
+        return len(_first_leaf(inputs).shape)
+    shapes = getattr(model, "_build_shapes_dict", None)
+    if not shapes:
+        return None
+    shape = _first_shape(next(iter(shapes.values())))
+    return None if shape is None else len(shape)
+
+
+def _first_shape(shapes):
+    """The first shape tuple in a (possibly nested) structure of shapes."""
+    if isinstance(shapes, dict):
+        return _first_shape(shapes[sorted(shapes)[0]]) if shapes else None
+    if isinstance(shapes, tf.TensorShape):
+        return tuple(shapes.as_list()) if shapes.rank is not None else None
+    if isinstance(shapes, (list, tuple)):
+        if all(d is None or isinstance(d, (int, np.integer)) for d in shapes):
+            return tuple(shapes)
+        return _first_shape(shapes[0]) if shapes else None
+    return None
+
+
+_DATASET_OP = re.compile(r"Dataset(V\d+)?$")
+
+
+def dataset_ends_in_batch(dataset: tf.data.Dataset) -> bool:
+    """True iff every path from the dataset's output back to a source meets a batching
+    transformation before any unbatch (read from the dataset's serialized graph; False when
+    it cannot be read, or a batch is hidden inside a function such as flat_map's)."""
+    try:
+        graph = tf.compat.v1.GraphDef()
+        graph.ParseFromString(dataset._as_serialized_graph().numpy())
+    except Exception:  # noqa: BLE001 — an unreadable graph is no fact
+        return False
+    nodes = {node.name: node for node in graph.node}
+    outputs = [node for node in graph.node if node.op == "_Retval"]
+    return bool(outputs) and all(_batched_path(nodes, _dataset_inputs(nodes, node)) for node in outputs)
+
+
+def _dataset_inputs(nodes: dict, node) -> list:
+    names = (name.split(":")[0] for name in node.input if not name.startswith("^"))
+    return [nodes[name] for name in names if name in nodes and _DATASET_OP.search(nodes[name].op)]
+
+
+def _batched_path(nodes: dict, frontier: list) -> bool:
+    """All paths through ``frontier`` meet a batch op before an unbatch op or a source."""
+    for node in frontier:
+        op = node.op.lower()
+        if "unbatch" in op:
+            return False
+        if "batch" in op:
+            continue
+        upstream = _dataset_inputs(nodes, node)
+        if not upstream or not _batched_path(nodes, upstream):
+            return False
+    return bool(frontier)
+
+
+def gather_rows(array: np.ndarray, indices: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """array[indices] with every padding row (mask = 0) set to zero (empty for strings).
+
+    Padding rows are masked out of the gradient sum, but they still pass through the
+    model's forward pass; a neutral value instead of a copy of a real example means no
+    example can reach other rows through them (e.g. via a layer that mixes rows)."""
+    rows = array[indices]
+    rows[np.asarray(mask) == 0] = np.zeros((), rows.dtype)
+    return rows
 
 
 def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_size: Optional[int],
@@ -97,10 +206,11 @@ def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_siz
     }
 
     def element(indices, mask):
+        take = lambda array: gather_rows(array, indices, mask)  # noqa: E731
         return {
-            "x": tf.nest.map_structure(lambda a: a[indices], x), "y": y[indices],
+            "x": tf.nest.map_structure(take, x), "y": take(y),
             "mask": mask, "expected_batch_size": np.full(len(mask), expected),
-            **{name: array[indices] for name, array in extras.items()},
+            **{name: take(array) for name, array in extras.items()},
         }
 
     def batches():

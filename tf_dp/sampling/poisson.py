@@ -3,8 +3,9 @@
 Each step every example joins the batch independently with probability q = L/N — the
 sampling the accountant assumes. The realized batch (size k ~ Binomial(N, q)) is laid out
 in ⌈k/P⌉ chunks of a fixed physical size P, padded with a 0/1 mask: shapes are static
-for XLA, no example is ever dropped, and padded rows contribute nothing. The train step
-sums the clipped gradients of all chunks and applies noise once.
+for XLA, no example is ever dropped, and padded rows (zeros, never a copy of an example)
+contribute nothing. The train step sums the clipped gradients of all chunks and applies
+noise once.
 
 Batch t is a function of (seed, t) alone: a data pipeline restarted, prefetching ahead or
 running on another worker reproduces exactly the batch of step t, and the batches of
@@ -20,6 +21,8 @@ from typing import Iterator, Optional
 import numpy as np
 
 from tf_dp import _checks
+
+PAD_INDEX = 0  # any valid index: padding rows are zeroed when gathered, and masked
 
 
 def sample_poisson_batch(rng, num_examples: int, sampling_rate: float) -> np.ndarray:
@@ -63,11 +66,13 @@ def choose_physical_batch_size(num_examples: int, sampling_rate: float) -> int:
 
 
 def chunk(indices: np.ndarray, physical_batch_size: int, multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Lays ``indices`` out as [n_chunks, P] (padding with index 0; n_chunks a multiple of
-    ``multiple``) and the 0/1 mask."""
+    """Lays ``indices`` out as [n_chunks, P] (n_chunks a multiple of ``multiple``) and the
+    0/1 mask. Padding slots hold PAD_INDEX, a placeholder, not an example: whoever gathers
+    rows by these indices must not feed that example there (``gather_rows`` in
+    tf_dp.models.data puts zeros in padding rows)."""
     chunks = max(1, math.ceil(len(indices) / physical_batch_size))
     chunks = math.ceil(chunks / multiple) * multiple
-    padded = np.zeros(chunks * physical_batch_size, dtype=np.int64)
+    padded = np.full(chunks * physical_batch_size, PAD_INDEX, dtype=np.int64)
     mask = np.zeros(chunks * physical_batch_size, dtype=np.float32)
     padded[: len(indices)] = indices
     mask[: len(indices)] = 1.0
