@@ -55,7 +55,8 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._allowed_steps = None
 
     def on_train_begin(self, logs=None):
-        self._check_budget()  # a clear error before training if nothing is left
+        self._allowed_steps = None
+        self._check_budget(raise_if_spent=True)  # a clear error before training if nothing is left
 
     def on_train_batch_begin(self, batch, logs=None):
         # After every on_train_begin (a restored ledger), and whenever σ has changed.
@@ -75,7 +76,7 @@ class PrivacyBudget(keras.callbacks.Callback):
             print(f"tf_dp: privacy budget ε = {self.max_epsilon} reached (ε = {self.model.get_epsilon():.4f}); "
                   f"training stopped, model saved to {self.save_path}.")
 
-    def _check_budget(self):
+    def _check_budget(self, raise_if_spent: bool = False):
         limit = self.model.step_limit
         sigma = self.model.optimizer.noise_multiplier
         if self._allowed_steps is not None and limit.is_set() and not limit.sigma_changed(sigma):
@@ -86,6 +87,8 @@ class PrivacyBudget(keras.callbacks.Callback):
             return
         limit.set(self._allowed_steps, sigma)
         if self._steps() >= self._allowed_steps:
+            self.model.stop_training = True
+        if raise_if_spent and self._steps() >= self._allowed_steps:
             raise ValueError(
                 f"The privacy budget ε = {self.max_epsilon} is already spent "
                 f"(ε = {self.model.get_epsilon():.4f}); no further step is allowed."

@@ -43,8 +43,8 @@ class DPTrainStep:
     def _step_logs(self) -> dict:
         """Train loss, metrics and the non-finite count — exact functions of the private
         batch, outside ε — unless ``compile(private_logs=True)``, which logs none of them."""
-        if self._dp["private_logs"]:
-            return {}
+        if self._dp["private_logs"]:  # Keras needs one log: the public noise std σC/L
+            return for_multi_worker_reduce({"noise_std": self.optimizer.averaged_noise_stddev()})
         return for_multi_worker_reduce(
             {**self.get_metrics_result(), "nonfinite_examples": self.nonfinite_examples.read_value()})
 

@@ -192,6 +192,10 @@ class DPOptimizer:
         """Where the model evaluates per-example gradients this step: θ_t for DP-SGD."""
         return CURRENT_WEIGHTS
 
+    def averaged_noise_stddev(self) -> tf.Tensor:
+        """σ_w = σ·C/L of the latest step (public: a function of the hyperparameters)."""
+        return self._averaged_noise_stddev.value
+
     def noise_variance_on_average(self, dtype) -> tf.Tensor:
         """σ_w² = (σ·C/L)², the per-coordinate variance the noise adds to ĝ this step."""
         return tf.square(tf.cast(self._averaged_noise_stddev.value, dtype))
