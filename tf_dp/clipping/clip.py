@@ -12,9 +12,12 @@ def clip_factors(squared_norms: tf.Tensor, l2_norm_clip: tf.Tensor, mask: tf.Ten
     0/1 padding mask so padded rows contribute nothing.
 
     An example whose gradient is not finite (NaN/Inf) gets c_i = 0: it contributes zero,
-    which keeps the sensitivity at C and keeps NaN out of the step."""
+    which keeps the sensitivity at C and keeps NaN out of the step; so does a negative
+    squared norm (no rule gives one; a factor of 1 would be unsafe)."""
     clip = tf.cast(l2_norm_clip, squared_norms.dtype)
-    factors = tf.where(tf.math.is_finite(squared_norms), clip / tf.maximum(tf.sqrt(squared_norms), clip), 0.0)
+    valid = tf.logical_and(tf.math.is_finite(squared_norms), squared_norms >= 0)
+    safe = tf.where(valid, squared_norms, tf.zeros_like(squared_norms))
+    factors = tf.where(valid, clip / tf.maximum(tf.sqrt(safe), clip), tf.zeros_like(squared_norms))
     return factors if mask is None else factors * tf.cast(mask, factors.dtype)
 
 

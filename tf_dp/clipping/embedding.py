@@ -12,6 +12,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tf_dp.clipping import rounding
 from tf_dp.clipping.clip import sum_over_examples
 from tf_dp.clipping.dense import dense_contribution
 from tf_dp.clipping.lora import lora_embedding_contribution, lora_embedding_tapped_call, lora_enabled
@@ -19,16 +20,24 @@ from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register
 
 
 class EmbeddingContribution(Contribution):
+    """Norms and sums in float64; the clip norm is the certified bound (rounding.py)
+    U_i = sqrt(max(Ñ_i², 0) + γ_{T²+k+1} M_i²) + γ_{T+2} M_i with M_i = Σ_t ‖s_it‖: repeated
+    ids with cancelling s_it make the float32 Ñ_i² arbitrarily small (or negative)."""
+
     def __init__(self, ids, output_grads, vocabulary_size: int):
         self.ids, self.vocabulary_size = ids, vocabulary_size  # [P, T]
-        self.s = tf.cast(output_grads, tf.float32)  # [P, T, k], float32 under any compute policy
+        self.s = tf.cast(output_grads, tf.float64)  # [P, T, k], float64 under any compute policy
 
     def squared_norms(self):
         same_id = tf.cast(tf.equal(self.ids[:, :, None], self.ids[:, None, :]), self.s.dtype)
-        return tf.reduce_sum(same_id * tf.einsum("ptk,puk->ptu", self.s, self.s), axis=[1, 2])
+        squares = tf.reduce_sum(same_id * tf.einsum("ptk,puk->ptu", self.s, self.s), axis=[1, 2])
+        steps, k = tf.shape(self.s)[1], tf.shape(self.s)[2]
+        scale = tf.reduce_sum(rounding.row_norms(self.s), axis=1)
+        return tf.square(rounding.certified_norm(squares, scale, steps * steps + k + 1, steps + 2))
 
     def weighted_sums(self, clip_factors):
-        return sum_over_examples(self._scatter, tf.cast(clip_factors, self.s.dtype), self.s)
+        sums = sum_over_examples(self._scatter, tf.cast(clip_factors, self.s.dtype), self.s)
+        return [tf.cast(t, tf.float32) for t in sums]
 
     def _scatter(self, c, s):
         weighted_s = s * c[:, None, None]

@@ -5,7 +5,10 @@ trainable layer tapped. Layers with a ghost rule (Dense, Embedding, user-registe
 their per-example squared norms and clipped sums from (inputs, output gradients) without
 materialising per-example gradients; other layers are replayed per example by
 ``vectorized_map``. The squared norms of all layers add up to the flat norm ‖g_i‖² over
-all trainable variables, which sets one clip factor per example.
+all trainable variables, which sets one clip factor per example. Each rule's squared norm
+is an upper bound U_i² that holds under floating-point rounding (rounding.py); they add up
+in float64 and the factor is rounded toward zero to float32, so ‖c_i ĝ_i‖ ≤ C up to the
+relative rounding of the float32 sums (a few 2⁻²⁴).
 
 ``engine="vectorized"``: per-example gradients of the whole model by ``vectorized_map``;
 slow, used as the reference.
@@ -20,7 +23,9 @@ import keras
 import tensorflow as tf
 
 from tf_dp.clipping.clip import clip_factors, weighted_row_sum
+from tf_dp.clipping.layer_per_example import squared_row_norms
 from tf_dp.clipping.per_example import per_example_gradients
+from tf_dp.clipping.rounding import FLOAT32_MAX, round_down_to_float32
 from tf_dp.clipping.tap import LayerTap
 
 ENGINES = ("ghost", "vectorized")
@@ -31,7 +36,7 @@ class ClippedBatch:
     clipped_sums: list  # Σ_i c_i g_i per trainable variable
     y_pred: object
     losses: tf.Tensor  # per-example losses ℓ_i (masked rows included, weight them by mask)
-    squared_norms: tf.Tensor  # ‖g_i‖² before clipping
+    squared_norms: tf.Tensor  # U_i² ≥ ‖g_i‖², the certified squared norm clipped against (float32, saturated)
 
     def nonfinite_count(self, mask) -> tf.Tensor:
         """Real (unmasked) examples whose gradient was NaN/Inf and so contributed zero."""
@@ -99,15 +104,28 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_
         watched = tap.watched_tensors()
         output_grads = tape.gradient(total, watched)
     contributions = tap.contributions(output_grads)
-    squared_norms = tf.add_n([c.squared_norms() for _, _, c in contributions]) if contributions else tf.zeros_like(losses)
-    factors = clip_factors(squared_norms, l2_norm_clip, mask)
+    squared_norms = tf.add_n([tf.cast(c.squared_norms(), tf.float64) for _, _, c in contributions]) \
+        if contributions else tf.zeros_like(losses, tf.float64)
+    factors = _float32_factors(squared_norms, l2_norm_clip, mask)
     by_variable = {}
     for layer, rule, contribution in contributions:
         for variable, grad in zip(rule.variables(layer), contribution.weighted_sums(factors)):
             by_variable[id(variable)] = grad
     sums = [tf.cast(by_variable[id(v)], v.dtype) if id(v) in by_variable else tf.zeros_like(v)
             for v in model.trainable_variables]
-    return ClippedBatch(sums, y_pred, losses, squared_norms)
+    return ClippedBatch(sums, y_pred, losses, _as_float32(squared_norms))
+
+
+def _float32_factors(squared_norms: tf.Tensor, l2_norm_clip, mask) -> tf.Tensor:
+    """Clip factors from float64 (certified) squared norms, rounded toward zero to float32
+    so that the cast never enlarges a factor."""
+    return round_down_to_float32(clip_factors(squared_norms, l2_norm_clip, mask))
+
+
+def _as_float32(squared_norms: tf.Tensor) -> tf.Tensor:
+    """float64 squared norms for ClippedBatch, saturated at float32's maximum so that a huge
+    but finite norm (whose example was clipped, not dropped) stays finite; NaN stays NaN."""
+    return tf.cast(tf.minimum(squared_norms, FLOAT32_MAX), tf.float32)
 
 
 def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points) -> ClippedBatch:
@@ -116,11 +134,11 @@ def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points) -> Cl
         at_point = per_example_gradients(model, per_example_loss, x, y, weights=point.weights)
         at_point = [point.coefficient * g for g in at_point]
         grads = at_point if grads is None else [a + b for a, b in zip(grads, at_point)]
-    squared_norms = tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in grads])
-    factors = clip_factors(squared_norms, l2_norm_clip, mask)
+    squared_norms = tf.add_n([squared_row_norms(g) for g in grads])
+    factors = _float32_factors(squared_norms, l2_norm_clip, mask)
     sums = [weighted_row_sum(factors, g) for g in grads]
     _, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
-    return ClippedBatch(sums, y_pred, losses, squared_norms)
+    return ClippedBatch(sums, y_pred, losses, _as_float32(squared_norms))
 
 
 def clipped_gradient_sum(

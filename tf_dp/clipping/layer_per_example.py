@@ -12,9 +12,16 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tf_dp.clipping import rounding
 from tf_dp.clipping.clip import weighted_row_sum
 from tf_dp.clipping.kernels import require_grouped_conv_kernels
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording
+
+
+def squared_row_norms(per_example: tf.Tensor) -> tf.Tensor:
+    """(1 + γ_n) Σ_j g_ij² per row of a [P, ...] tensor, in float64 (n entries per row)."""
+    rows = tf.reshape(tf.cast(per_example, tf.float64), [tf.shape(per_example)[0], -1])
+    return tf.reduce_sum(tf.square(rows), axis=1) * (1.0 + rounding.gamma(tf.shape(rows)[1]))
 
 
 def _is_batched_tensor(value) -> bool:
@@ -28,7 +35,9 @@ class MaterializedContribution(Contribution):
         self.per_example_grads = [tf.cast(g, tf.float32) for g in per_example_grads]
 
     def squared_norms(self):
-        return tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in self.per_example_grads])
+        """Σ ĝ_i² in float64 times (1 + γ_n): the squares of float32 values are exact and all
+        terms positive, so this bounds the squared norm of exactly what is released, c_i ĝ_i."""
+        return tf.add_n([squared_row_norms(g) for g in self.per_example_grads])
 
     def weighted_sums(self, clip_factors):
         return [weighted_row_sum(clip_factors, g) for g in self.per_example_grads]

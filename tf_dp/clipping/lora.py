@@ -9,6 +9,8 @@ per-example activations a_i [T, d] and output gradients g_i [T, k]:
 
 so each adapter matrix is a Dense contribution of rank-r width, and the norms add up.
 A and B are read inside the recorded call, so a look-ahead evaluation point uses its own.
+The products with A and B are taken in float64 (they can cancel too): the Dense forms then
+certify their norms against those exact inputs (rounding.py).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def lora_contribution(layer, recordings, grads, has_bias: bool, dense_contributi
     scale = _scale(layer)
     activations_a, grads_a, activations_b = [], [], []
     for recording, grad in zip(recordings, grads):
-        a, b = (tf.cast(t, tf.float32) for t in recording.extras)
-        inputs, grad = tf.cast(recording.inputs, tf.float32), tf.cast(grad, tf.float32)
+        a, b = (tf.cast(t, tf.float64) for t in recording.extras)
+        inputs, grad = tf.cast(recording.inputs, tf.float64), tf.cast(grad, tf.float64)
         activations_a.append(inputs)
         grads_a.append(scale * tf.matmul(grad, b, transpose_b=True))
         activations_b.append(scale * tf.matmul(inputs, a))
@@ -74,10 +76,10 @@ def einsum_lora_contribution(layer, recordings, grads, contracted: int, has_bias
     rank = layer.lora_rank
     activations_a, grads_a, activations_b, grads_b, bias_grads = [], [], [], [], []
     for recording, grad in zip(recordings, grads):
-        a_weights, b_weights = (tf.cast(t, tf.float32) for t in recording.extras)
+        a_weights, b_weights = (tf.cast(t, tf.float64) for t in recording.extras)
         batch = tf.shape(recording.inputs)[0]
-        inputs = tf.reshape(tf.cast(recording.inputs, tf.float32), tf.stack([batch, -1, c]))
-        grad = tf.reshape(tf.cast(grad, tf.float32), tf.stack([batch, -1, middle, n]))
+        inputs = tf.reshape(tf.cast(recording.inputs, tf.float64), tf.stack([batch, -1, c]))
+        grad = tf.reshape(tf.cast(grad, tf.float64), tf.stack([batch, -1, middle, n]))
         activations_a.append(inputs)
         grads_a.append(tf.reshape(scale * tf.einsum("ptmj,rj->ptmr", grad, b_weights),
                                   tf.stack([batch, -1, middle * rank])))
@@ -110,10 +112,10 @@ def lora_embedding_contribution(layer, recordings, grads, embedding_contribution
     scale = _scale(layer)
     ids, grads_a, activations_b, grads_b = [], [], [], []
     for recording, grad in zip(recordings, grads):
-        a, b = (tf.cast(t, tf.float32) for t in recording.extras)
+        a, b = (tf.cast(t, tf.float64) for t in recording.extras)
         batch = tf.shape(recording.inputs)[0]
         example_ids = tf.reshape(tf.cast(recording.inputs, tf.int64), tf.stack([batch, -1]))
-        grad = tf.reshape(tf.cast(grad, tf.float32), tf.stack([batch, -1, tf.shape(grad)[-1]]))
+        grad = tf.reshape(tf.cast(grad, tf.float64), tf.stack([batch, -1, tf.shape(grad)[-1]]))
         ids.append(example_ids)
         grads_a.append(scale * tf.einsum("ptk,rk->ptr", grad, b))
         activations_b.append(scale * tf.gather(a, example_ids))

@@ -1,0 +1,222 @@
+"""Floating-point safety of clipping: no input makes an example's released contribution
+exceed C (ALGORITHMS §6, "Floating point").
+
+A seeded search over crafted inputs — large activations that cancel across positions
+(x_t' = −x_t + δ), cancelling output gradients, huge and tiny scales, mixed signs, repeated
+embedding ids — for every ghost rule. Each model is one trainable layer with the linear
+loss ℓ_i = Σ_t ⟨z_it, r_it⟩, so the layer's inputs and output gradients (r) are exactly the
+float32 values given and float64 numpy gives the exact per-example gradient. For each
+candidate i the engine runs with mask e_i (its released contribution is then the whole
+clipped sum) and, for some, on the full batch (the other crafted examples included) with
+and without i.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dp.clipping import clipped_gradient_sum, dense
+
+CANDIDATES = 32  # per kind; 9 kinds
+HONEST = 4  # ordinary examples in every batch
+TOLERANCE = 1e-3  # ‖released_i‖ ≤ C (1 + TOLERANCE)
+
+
+def linear_loss(r, z):
+    return tf.reduce_sum(tf.reshape(r * z, [tf.shape(z)[0], -1]), axis=1)
+
+
+def _crafted_sequence(rng, steps, width, out):
+    """(x [T, d], r [T, k]): a random pattern among cancelling pairs of positions in x or in r,
+    scaled hugely or tinily, with mixed signs."""
+    scale_x, scale_r = 10.0 ** rng.uniform(-12, 8), 10.0 ** rng.uniform(-8, 6)
+    x = rng.standard_normal((steps, width)) * scale_x
+    r = rng.standard_normal((steps, out)) * scale_r
+    t, u = rng.choice(steps, 2, replace=False)
+    eps = 2.0 ** -rng.integers(5, 24)
+    if rng.random() < 0.5:  # x_u = −x_t (1 − ε) + tiny, r_u = r_t: Σ a sᵀ ≈ ε x_t r_tᵀ
+        x[t] *= 10.0 ** rng.uniform(0, 6)
+        x[u] = -x[t] * (1 - eps)
+        r[u] = r[t]
+    else:  # r_u = −r_t (1 − ε), x_u = x_t
+        r[t] *= 10.0 ** rng.uniform(0, 6)
+        r[u] = -r[t] * (1 - eps)
+        x[u] = x[t]
+    if rng.random() < 0.3:  # everything else small: the cancelling pair dominates
+        keep = np.zeros(steps, bool)
+        keep[[t, u]] = True
+        x[~keep] *= 1e-6
+    return x.astype("float32"), r.astype("float32")
+
+
+def _honest_sequence(rng, steps, width, out):
+    return rng.standard_normal((steps, width)).astype("float32"), rng.standard_normal((steps, out)).astype("float32")
+
+
+def _batch(rng, make, *shape):
+    pairs = [make(rng, *shape) for _ in range(CANDIDATES)] + [_honest_sequence(rng, *shape) for _ in range(HONEST)]
+    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+
+
+def _dense_truth(x, r, bias=True):
+    """Per-example [Σ_t x_t r_tᵀ, Σ_t r_t] in float64."""
+    x, r = x.astype(np.float64), r.astype(np.float64)
+    grads = [np.einsum("ptd,ptk->pdk", x, r)]
+    return grads + [r.sum(axis=1)] if bias else grads
+
+
+def dense_sequence(rng, steps=3, width=8, out=8):
+    inputs = keras.Input((steps, width))
+    model = keras.Model(inputs, keras.layers.Dense(out)(inputs))
+    x, r = _batch(rng, _crafted_sequence, steps, width, out)
+    return model, x, r, _dense_truth(x, r)
+
+
+def dense_sequence_long(rng):
+    return dense_sequence(rng, steps=12, width=3, out=3)  # T(d+k) > dk: the explicit products
+
+
+def einsum_dense(rng, steps=4, width=6, out=5):
+    inputs = keras.Input((steps, width))
+    model = keras.Model(inputs, keras.layers.EinsumDense("abc,cd->abd", (steps, out), bias_axes="d")(inputs))
+    x, r = _batch(rng, _crafted_sequence, steps, width, out)
+    return model, x, r, _dense_truth(x, r)
+
+
+def lora_dense(rng, steps=3, width=6, out=5):
+    inputs = keras.Input((steps, width))
+    layer = keras.layers.Dense(out)
+    model = keras.Model(inputs, layer(inputs))
+    layer.enable_lora(2, lora_alpha=4)
+    layer.lora_kernel_b.assign(rng.standard_normal((2, out)).astype("float32"))
+    x, r = _batch(rng, _crafted_sequence, steps, width, out)
+    a, b, s = (np.asarray(v, np.float64) for v in (layer.lora_kernel_a, layer.lora_kernel_b, 2.0))
+    x64, r64 = x.astype(np.float64), r.astype(np.float64)
+    truth = {"lora_kernel_a": np.einsum("ptd,ptk->pdk", x64, s * r64 @ b.T),
+             "lora_kernel_b": np.einsum("ptd,ptk->pdk", s * x64 @ a, r64), "bias": r64.sum(axis=1)}
+    return model, x, r, [truth[v.name] for v in model.trainable_variables]
+
+
+def _patches(images, size):
+    """[P, T, size·size·C] valid stride-1 patches, in the kernel's (kh, kw, C) order."""
+    p, h, w, c = images.shape
+    rows = [images[:, i:i + size, j:j + size, :].reshape(p, -1) for i in range(h - size + 1) for j in range(w - size + 1)]
+    return np.stack(rows, axis=1)
+
+
+def conv(rng, channels=2, size=3, side=6, filters=3):
+    inputs = keras.Input((side, side, channels))
+    model = keras.Model(inputs, keras.layers.Conv2D(filters, size)(inputs))
+    out_side = side - size + 1
+    images, grads = [], []
+    for i in range(CANDIDATES + HONEST):
+        image = rng.standard_normal((side, side, channels))
+        grad = rng.standard_normal((out_side, out_side, filters))
+        if i < CANDIDATES:  # a huge checkerboard cancels across neighbouring patches
+            checker = (-1.0) ** np.add.outer(np.arange(side), np.arange(side))[:, :, None]
+            image = image * 10.0 ** rng.uniform(-6, 0) + checker * 10.0 ** rng.uniform(0, 12)
+            grad = (np.ones_like(grad) + 1e-3 * grad) * 10.0 ** rng.uniform(-6, 6) if rng.random() < 0.7 else grad
+        images.append(image)
+        grads.append(grad)
+    x, r = np.stack(images).astype("float32"), np.stack(grads).astype("float32")
+    truth = _dense_truth(_patches(x, size), r.reshape(len(r), -1, filters))
+    truth[0] = truth[0].reshape(len(r), size, size, channels, filters)
+    return model, x, r, truth
+
+
+def conv_single_channel(rng):
+    return conv(rng, channels=1, size=3, side=7, filters=4)  # the grouped / depthwise route
+
+
+def _crafted_ids(rng, steps, vocabulary, out):
+    ids = rng.integers(0, vocabulary, steps)
+    r = rng.standard_normal((steps, out)) * 10.0 ** rng.uniform(-8, 8)
+    repeats = rng.choice(steps, rng.integers(2, steps + 1), replace=False)
+    ids[repeats] = ids[repeats[0]]
+    big = r[repeats[0]] * 10.0 ** rng.uniform(0, 10)
+    r[repeats] = big * rng.choice([-1.0, 1.0], (len(repeats), 1))
+    if len(repeats) % 2 == 0:
+        r[repeats[-1]] = -r[repeats[:-1]].sum(axis=0) + big * 2.0 ** -rng.integers(5, 24)
+    return ids, r.astype("float32")
+
+
+def embedding(rng, steps=6, vocabulary=5, out=4):
+    inputs = keras.Input((steps,), dtype="int32")
+    model = keras.Model(inputs, keras.layers.Embedding(vocabulary, out)(inputs))
+    pairs = [_crafted_ids(rng, steps, vocabulary, out) for _ in range(CANDIDATES)]
+    pairs += [(rng.integers(0, vocabulary, steps), rng.standard_normal((steps, out)).astype("float32"))
+              for _ in range(HONEST)]
+    x, r = np.stack([p[0] for p in pairs]).astype("int32"), np.stack([p[1] for p in pairs])
+    truth = np.zeros((len(x), vocabulary, out))
+    for i in range(len(x)):
+        np.add.at(truth[i], x[i], r[i].astype(np.float64))
+    return model, x, r, [truth]
+
+
+def layer_norm(rng, steps=3, width=6):
+    inputs = keras.Input((steps, width))
+    layer = keras.layers.LayerNormalization(epsilon=1e-3)
+    model = keras.Model(inputs, layer(inputs))
+    x, r = _batch(rng, _crafted_sequence, steps, width, width)
+    x64 = x.astype(np.float64)
+    normalized = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-3)
+    r64 = r.astype(np.float64)
+    return model, x, r, [(r64 * normalized).sum(axis=1), r64.sum(axis=1)]
+
+
+# (builder, force the Gram form by an explicit-products budget of 0, check the norm against
+# the float64 truth: only where the layer's inputs are the given float32 values and the
+# norm does not come from a float32 kernel's own per-example gradient)
+KINDS = [
+    (dense_sequence, True, True), (dense_sequence_long, False, True), (einsum_dense, True, True),
+    (lora_dense, True, True), (conv, True, True), (conv, False, True), (conv_single_channel, False, False),
+    (embedding, False, True), (layer_norm, False, False),
+]
+
+
+def _norms(grads):
+    return np.sqrt(sum(np.sum(g.reshape(len(g), -1) ** 2, axis=1) for g in grads))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: f"{k[0].__name__}{'_gram' if k[1] else ''}")
+def test_no_released_contribution_exceeds_clip(monkeypatch, kind):
+    build, force_gram, check_norm = kind
+    if force_gram:
+        monkeypatch.setattr(dense, "EXPLICIT_FLOATS", 0)
+    rng = np.random.default_rng(20260 + KINDS.index(kind))
+    model, x, r, truth = build(rng)
+    true_norms = _norms(truth)
+    batch = len(x)
+
+    @tf.function
+    def step(mask, clip):
+        result = clipped_gradient_sum(model, linear_loss, tf.constant(x), tf.constant(r), mask, clip)
+        return result.clipped_sums, result.squared_norms
+
+    def released(mask, clip):
+        sums, squared = step(tf.constant(mask, tf.float32), tf.constant(clip, tf.float32))
+        return [s.numpy().astype(np.float64) for s in sums], squared.numpy().astype(np.float64)
+
+    failures = []
+    for i in range(CANDIDATES):
+        clip = float(true_norms[i] * rng.uniform(0.05, 0.9))
+        if not 0 < clip < 1e30:
+            continue
+        only_i = np.eye(batch, dtype="float32")[i]
+        sums, squared = released(only_i, clip)
+        contribution = np.sqrt(sum(np.sum(s ** 2) for s in sums))
+        if not contribution <= clip * (1 + TOLERANCE):
+            failures.append(f"#{i}: released {contribution / clip:.4g}·C (engine norm {np.sqrt(squared[i]):.4g}, "
+                            f"true {true_norms[i]:.4g})")
+        elif check_norm and not np.sqrt(squared[i]) >= true_norms[i] * (1 - 1e-6):
+            failures.append(f"#{i}: engine norm {np.sqrt(squared[i]):.6g} below the true {true_norms[i]:.6g}")
+        if i % 4 == 0:  # the full batch, every other crafted example included, with and without i
+            with_i = np.ones(batch, "float32")
+            without = with_i.copy()
+            without[i] = 0.0
+            delta = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(released(with_i, clip)[0],
+                                                                       released(without, clip)[0])))
+            if not delta <= clip * (1 + TOLERANCE):
+                failures.append(f"#{i}: batch difference {delta / clip:.4g}·C")
+    assert not failures, f"{len(failures)} of {CANDIDATES}: " + "; ".join(failures[:8])
