@@ -72,8 +72,9 @@ def is_batched_dataset(dataset: tf.data.Dataset, model) -> bool:
         return _batched_by_rank(element_rank, model_rank, model)
     if dataset_ends_in_batch(dataset):
         return True
+    shape = _first_leaf(_x_spec(dataset.element_spec)).shape
     raise ValueError(
-        f"tf_dp cannot tell whether this dataset's elements (x of shape {_first_leaf(_x_spec(dataset.element_spec)).shape}) "
+        f"tf_dp cannot tell whether this dataset's elements (x of shape {shape}) "
         f"are single examples or batches: {getattr(model, 'name', 'the model')} is not built, so its input shape is "
         "unknown, and the dataset does not end in .batch(). Guessing would risk counting each batch as one example "
         "(N = number of batches, far too small an epsilon). Build the model first: call it once on a batch "
@@ -95,7 +96,8 @@ def _batched_by_rank(element_rank: int, model_rank: int, model) -> bool:
         return element_rank == model_rank
     raise ValueError(
         f"The dataset's x elements have rank {element_rank}, but {model.name} takes inputs of rank {model_rank} "
-        f"(with the batch axis): elements must be single examples (rank {model_rank - 1}) or batches (rank {model_rank})."
+        f"(with the batch axis): elements must be single examples (rank {model_rank - 1}) or batches "
+        f"(rank {model_rank})."
     )
 
 

@@ -152,8 +152,9 @@ def _compare_other_rows(base: np.ndarray, changed: np.ndarray, k: int, what: str
         j = int(np.flatnonzero(moved & others)[0])
         raise ValueError(
             f"`loss` mixes examples: changing row {k} of {what} changed the loss of row {j} "
-            f"({float(base[j]):.7g} -> {float(changed[j]):.7g}). Each example's loss must depend on that example alone (no batch "
-            f"statistics, pairwise terms or batch reductions), or per-example clipping does not bound it. {FIX}"
+            f"({float(base[j]):.7g} -> {float(changed[j]):.7g}). Each example's loss must depend on that example "
+            f"alone (no batch statistics, pairwise terms or batch reductions), or per-example clipping does not "
+            f"bound it. {FIX}"
         )
 
 
