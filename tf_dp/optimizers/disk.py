@@ -4,6 +4,10 @@
     ĝ_t = (Σ_i clip_C(u_i) + N(0, σ²C²I)) / L
     g̃_t = (1 − κ) g̃_{t−1} + κ ĝ_t
     θ_{t+1} = BaseOptimizer(θ_t, g̃_t)      base ∈ {"adamw", "adam", "sgd"}
+
+With ``noise_bias_correction=True`` (Adam bases) the second moment is corrected by the
+noise variance the EMA leaves in g̃_t, A_t·σ_w² with A_t = (1 − κ)² A_{t−1} + κ² → κ/(2 − κ),
+not by the full σ_w² of ĝ_t.
 """
 
 from __future__ import annotations
@@ -13,17 +17,18 @@ from typing import Optional
 import keras
 
 from tf_dp import _checks
-from tf_dp.filters import ema_filter
+from tf_dp.filters import ema_attenuation_factor, ema_filter, ema_noise_variance_step
 from tf_dp.optimizers.dp_optimizer import DPOptimizer
 from tf_dp.optimizers.dpadam import DPAdam
 from tf_dp.optimizers.dpadamw import DPAdamW
 from tf_dp.optimizers.dpsgd import DPSGD
+from tf_dp.optimizers.noise_bias_correction import FilteredNoiseVariance
 from tf_dp.optimizers.two_point import TwoPointObservation
 
 BASES = ("adamw", "adam", "sgd")
 
 
-class DiSK(TwoPointObservation, DPOptimizer):
+class DiSK(TwoPointObservation, FilteredNoiseVariance, DPOptimizer):
     """``DiSK(learning_rate, kappa=0.7, gamma=0.5, base="adamw", **base_and_dp_kwargs)``.
 
     Builds the DiSK variant of the chosen base (``DiSKAdamW``, ``DiSKAdam``, ``DiSKSGD``);
@@ -40,6 +45,11 @@ class DiSK(TwoPointObservation, DPOptimizer):
         kwargs.setdefault("name", type(self).__name__)
         super().__init__(learning_rate=learning_rate, **kwargs)
         self._init_two_point(kappa, gamma)
+        self.attenuation = ema_attenuation_factor(self.kappa)  # stationary κ/(2 − κ)
+
+    def _advance_filter_noise(self, state):
+        """A_t = (1 − κ)² A_{t−1} + κ²."""
+        return ema_noise_variance_step(state, self.kappa)
 
     def build(self, variables):
         if self.built:

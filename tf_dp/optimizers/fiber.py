@@ -7,8 +7,12 @@ Observation: DiSK's two-point u_i, privatized as ĝ_t = (Σ_i clip_C(u_i) + N(0,
 
 then AdamW on g̃_t with the filter-aware second moment
 
-    v̄_t = max(v̂_t − A(ω)·σ_w², variance_floor),  A(ω) = (2 − ω)/(4 − 3ω),  σ_w = σC/L
-    θ_{t+1} = θ_t − η (m̂_t / (√v̄_t + ε) + λ_wd θ_t).
+    v̄_t = max(v̂_t − A_t·σ_w², variance_floor),  σ_w = σC/L
+    θ_{t+1} = θ_t − η (m̂_t / (√v̄_t + ε) + λ_wd θ_t),
+
+where A_t is the variance the filter, started at zero, leaves of unit white noise after t
+steps (``tf_dp.filters.innovation_noise_covariance_step``); it grows to the stationary
+A(ω) = (2 − ω)/(4 − 3ω) within a few 1/ω steps.
 
 ω = 1 with a one-point observation (κ = 1) is DP-AdamBC; without the correction, DP-AdamW.
 """
@@ -18,19 +22,21 @@ from __future__ import annotations
 from typing import Optional
 
 import keras
-import tensorflow as tf
 
-from tf_dp.filters import attenuation_factor, innovation_filter
+from tf_dp.filters import attenuation_factor, innovation_filter, innovation_noise_covariance_step
 from tf_dp.optimizers.dpadam import DEFAULT_VARIANCE_FLOOR
 from tf_dp.optimizers.dpadamw import DPAdamW
+from tf_dp.optimizers.noise_bias_correction import FilteredNoiseVariance
 from tf_dp.optimizers.two_point import TwoPointObservation
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
-class FIBER(TwoPointObservation, DPAdamW):
+class FIBER(TwoPointObservation, FilteredNoiseVariance, DPAdamW):
     """AdamW on the innovation-filtered privatized gradient, with the filter-attenuated
-    noise variance A(ω)σ_w² removed from the second moment. Accepts every argument of
-    ``tf_dp.DPAdamW``."""
+    noise variance A_t·σ_w² removed from the second moment (A_t → A(ω)). Accepts every
+    argument of ``tf_dp.DPAdamW``."""
+
+    _filter_noise_size = 3  # the noise covariance (a, c, d) of the state (g̃, r); A_t = a
 
     def __init__(
         self,
@@ -58,8 +64,11 @@ class FIBER(TwoPointObservation, DPAdamW):
             **kwargs,
         )
         self._init_two_point(kappa, gamma)
-        self.attenuation = attenuation_factor(omega)
+        self.attenuation = attenuation_factor(omega)  # stationary A(ω)
         self.omega = float(omega)
+
+    def _advance_filter_noise(self, state):
+        return innovation_noise_covariance_step(state, self.omega)
 
     def build(self, variables):
         if self.built:
@@ -78,10 +87,6 @@ class FIBER(TwoPointObservation, DPAdamW):
         self.assign(state, new_state)
         self.assign(residual, new_residual)
         return super().update_step(new_state, variable, learning_rate)
-
-    def noise_variance_on_average(self, dtype) -> tf.Tensor:
-        """A(ω)·σ_w²: the noise variance left in the filtered gradient g̃."""
-        return tf.cast(self.attenuation, dtype) * super().noise_variance_on_average(dtype)
 
     def get_config(self):
         return {**super().get_config(), **self._two_point_config(), "omega": self.omega}

@@ -5,7 +5,8 @@
 
 combined per example BEFORE clipping, so one clip bounds the sensitivity by C and the
 step is one Gaussian mechanism at the user's σ. c = 1 needs one gradient evaluation (at
-θ_t + γd_t), κ = 1 (c = 0) one at θ_t. θ_{t−1} is kept in optimizer variables.
+θ_t + γd_t), κ = 1 (c = 0) one at θ_t. θ_{t−1} is kept in optimizer variables, recorded
+before Keras' decoupled weight decay, so d_t is the full move of the previous step.
 """
 
 from __future__ import annotations
@@ -60,9 +61,25 @@ class TwoPointObservation:
             return (EvaluationPoint(1.0, look_ahead),)
         return (EvaluationPoint(c, look_ahead), EvaluationPoint(1 - c))
 
-    def update_step(self, gradient, variable, learning_rate):
-        self.assign(self._previous_weights[self._get_variable_index(variable)], variable)  # θ_{t−1} ← θ_t
-        return super().update_step(gradient, variable, learning_rate)
+    def _apply_weight_decay(self, variables):
+        """Keras calls this once per step, before any update (also when weight decay is
+        off): remember θ_t here, BEFORE the decay θ_t ← (1 − ηλ)θ_t, so that the next step's
+        direction is d_{t+1} = θ_{t+1} − θ_t exactly (not θ_{t+1} − (1 − ηλ)θ_t)."""
+        self._remember_weights(variables)
+        super()._apply_weight_decay(variables)
+
+    def _remember_weights(self, variables):
+        """θ_{t−1} ← θ_t for every variable this step updates, on every device: in a
+        cross-replica merge call, as Keras applies weight decay under tf.distribute."""
+        previous = [self._previous_weights[self._get_variable_index(v)] for v in variables]
+
+        def copy(distribution, targets, sources):
+            for target, source in zip(targets, sources):
+                distribution.extended.update(target.value, lambda t, s: t.assign(s), args=(source.value,),
+                                             group=False)
+
+        tf.__internal__.distribute.interim.maybe_merge_call(copy, self._distribution_strategy, previous,
+                                                            list(variables))
 
     def _two_point_config(self) -> dict:
         return {"kappa": self.kappa, "gamma": self.gamma}
