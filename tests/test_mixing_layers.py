@@ -172,11 +172,16 @@ def test_guard_changes_no_model_state():
         np.testing.assert_array_equal(old, np.asarray(variable), err_msg=variable.path)
 
 
-def test_dp_fit_runs_the_row_guard_before_the_first_step():
-    """Needs the one-line call in DPModelMixin.fit (see tf_dp/models/row_independence.py)."""
+def test_dp_training_runs_the_row_guard_before_the_first_step():
+    """Needs the calls to check_rows_independent in tf_dp/models/fitting.py (fit, fixed
+    batches, train_on_batch)."""
     x, y = data()
     model = tf_dp.DPSequential([keras.Input((FEATURES,)), CenterOverBatch(), keras.layers.Dense(CLASSES)])
     model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=sparse_ce)
     with pytest.raises(ValueError, match="mixes examples"):
         model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="mixes examples"), pytest.warns(UserWarning, match="BATCHED"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(10), epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="mixes examples"):
+        model.train_on_batch(x[:10], y[:10])
     assert int(model.privacy_ledger.steps.numpy()) == 0
