@@ -23,6 +23,7 @@ from tf_dp.accounting import calibrate_noise_multiplier
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
 from tf_dp.models.data import (agreed_sampling_seed, as_arrays, distributed_poisson_dataset, is_batched_dataset,
                                num_rows, poisson_dataset)
+from tf_dp.models.row_independence import check_rows_independent
 from tf_dp.optimizers import DPOptimizer
 
 
@@ -68,6 +69,7 @@ class DPFitting:
         if validation_split:
             (x, y), validation_data = _split_tail(x, y, validation_split)
         num_examples = num_rows(x)
+        check_rows_independent(self, self._dp_loss, x, y)
         if batch_size is None:
             raise ValueError("`batch_size` (the expected Poisson batch size L) is required for DP fit.")
         batch_size = _checks.batch_size_for(num_examples, batch_size)
@@ -102,6 +104,7 @@ class DPFitting:
         )
         if self._dp["target_epsilon"] is not None:
             raise ValueError("`target_epsilon` calibration needs Poisson sampling: pass arrays or an unbatched dataset.")
+        check_rows_independent(self, self._dp_loss, dataset)
         callbacks = [PrivacyReport()] + callbacks
         self._open_phase("batches", 1.0, 0, declared)
         return super().fit(dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
@@ -121,6 +124,7 @@ class DPFitting:
             # clipped and summed R times (sensitivity R·C). Datasets are split correctly.
             raise ValueError("train_on_batch is not supported under a multi-replica tf.distribute strategy: "
                              "use fit(), which splits batches across replicas.")
+        check_rows_independent(self, self._dp_loss, x, y)
         if batch_size is None:
             phase = self.privacy_ledger.current_phase()
             running = phase is not None and phase.scheme == "batches" and phase.expected_batch_size > 0

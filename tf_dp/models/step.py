@@ -98,7 +98,8 @@ class DPTrainStep:
     def _track_train_metrics(self, x, y, mask, result):
         real = tf.reduce_sum(mask)
         losses = tf.cast(result.losses, tf.float32)  # bfloat16 when the output layer computes in bfloat16
-        mean_loss = tf.math.divide_no_nan(tf.reduce_sum(losses * tf.cast(mask, tf.float32)), real)
+        real_losses = tf.where(tf.cast(mask, tf.bool), losses, 0.0)  # padding rows may give NaN losses
+        mean_loss = tf.math.divide_no_nan(tf.reduce_sum(real_losses), real)
         self._loss_tracker.update_state(mean_loss + self._regularization_loss(), sample_weight=real)
         self.compute_metrics(x, self._targets(y), result.y_pred, sample_weight=mask)
 
