@@ -5,10 +5,13 @@ gradient a non-private step computes instead, per Conv2D layer of the tutorial C
     python benchmarks/conv_routes.py --batch_size=1024
 
 Routes (all exact): a grouped convolution's filter gradient with the examples as groups
-(tf_dp's route for C_in = 1), a depthwise filter gradient with the examples as channels
-(C_in = 1 only; tf_dp's earlier route), unfolded patches with explicit A_iᵀS_i and with
-Gram-form norms (tf_dp's routes for C_in > 1, chosen by FLOPs). The ratio to the batch
-filter gradient bounds what any of them can reach inside a DP step on this machine.
+(tf_dp's route for C_in = 1 where the kernel exists: oneDNN on), a depthwise filter gradient
+with the examples as channels (C_in = 1 without oneDNN), unfolded patches with explicit
+A_iᵀS_i and with Gram-form norms, both in float64 with the rounding bound (tf_dp's routes
+for C_in > 1, chosen by FLOPs), and the float32 Gram form used before (unsafe under
+cancellation). The ratio to the batch filter gradient bounds what any of them can reach
+inside a DP step on this machine. Run with TF_ENABLE_ONEDNN_OPTS=0 to time the routes
+of CPUs where TensorFlow leaves oneDNN off (the grouped row is then skipped).
 Rounds alternate the routes; medians are reported. Prints a Markdown table, writes JSON.
 """
 
@@ -41,33 +44,43 @@ def _batch_filter_gradient(layer, x, s):
                                                   [1, *strides, 1], layer.padding.upper())
 
 
+def _unfolded(layer, x, s, gram: bool) -> DenseContribution:
+    contribution = DenseContribution(conv._patches(layer, x), tf.reshape(s, [x.shape[0], -1, layer.filters]), False,
+                                     flat=False)
+    contribution._uses_gram_form = lambda: gram  # pin the form
+    return contribution
+
+
 def _explicit(layer, x, s):
-    return DenseContribution(conv._patches(layer, x), tf.reshape(s, [x.shape[0], -1, layer.filters]), False,
-                             flat=False)._per_example_kernel_grads()
+    """float64 A_iᵀS_i and their certified norms (tf_dp since the floating-point audit)."""
+    return _unfolded(layer, x, s, gram=False).squared_norms()
 
 
 def _gram_norms(layer, x, s):
+    """float64 Gram norms plus the rounding bound (tf_dp's form)."""
+    return _unfolded(layer, x, s, gram=True).squared_norms()
+
+
+def _gram_norms_float32(layer, x, s):
+    """The float32 Gram form tf_dp used before the floating-point audit (unsafe: cancellation)."""
     a, g = conv._patches(layer, x), tf.reshape(s, [x.shape[0], -1, layer.filters])
     return tf.reduce_sum(tf.einsum("ptd,pud->ptu", a, a) * tf.einsum("ptk,puk->ptu", g, g), axis=[1, 2])
 
 
-def _depthwise(layer, x, s):
-    """C_in = 1: the examples as the channels of one image, a depthwise filter gradient."""
-    (kh, kw), strides, _ = conv._window(layer)
-    image = tf.transpose(x, [3, 1, 2, 0])
-    grads = tf.reshape(tf.transpose(s, [1, 2, 0, 3]), [1, s.shape[1], s.shape[2], -1])
-    stacked = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
-        image, [kh, kw, x.shape[0], layer.filters], grads, [1, *strides, 1], layer.padding.upper())
-    return tf.transpose(stacked, [2, 0, 1, 3])
-
-
 ROUTES = {
     "batch filter gradient (non-private)": _batch_filter_gradient,
-    "grouped conv filter gradient (tf_dp, C_in = 1)": lambda layer, x, s: conv._per_example_kernel_grads(layer, x, s),
-    "depthwise filter gradient (C_in = 1)": _depthwise,
-    "patches + explicit A_iᵀS_i (tf_dp, C_in > 1)": _explicit,
-    "patches + Gram norms (tf_dp, C_in > 1)": _gram_norms,
+    "grouped conv filter gradient (tf_dp, C_in = 1, oneDNN)": conv._grouped_filter_gradient,
+    "depthwise filter gradient (tf_dp, C_in = 1, no oneDNN)": conv._depthwise_filter_gradient,
+    "patches + explicit A_iᵀS_i, float64 (tf_dp, C_in > 1)": _explicit,
+    "patches + Gram norms, float64 (tf_dp, C_in > 1)": _gram_norms,
+    "patches + Gram norms, float32 (unsafe, before)": _gram_norms_float32,
 }
+
+
+def _available(name, x) -> bool:
+    if "C_in = 1" in name and x.shape[-1] != 1:
+        return False
+    return "grouped" not in name or conv.grouped_conv_filter_gradient_available()
 
 
 def _ms(function, x, s):
@@ -97,7 +110,7 @@ def main(argv):
     print("| layer | route | ms | / batch filter gradient |\n|---|---|---|---|")
     for layer, x, s in _layer_inputs(model):
         routes = {name: tf.function(lambda x, s, f=f: f(layer, x, s)) for name, f in ROUTES.items()
-                  if "depthwise" not in name or x.shape[-1] == 1}
+                  if _available(name, x)}
         times = {name: [] for name in routes}
         for _ in range(FLAGS.rounds):
             for name, function in routes.items():

@@ -6,13 +6,13 @@ S_i ∈ R^{T×k} (T = 1 without a sequence axis):
     ∂ℓ_i/∂W = A_iᵀ S_i,   ∂ℓ_i/∂b = Σ_t s_it
     ‖A_iᵀ S_i‖_F² = Σ_{t,t'} (a_it·a_it')(s_it·s_it')   (= ‖a_i‖²‖s_i‖² when T = 1)
 
-The Gram form costs T²(d+k) per example, the explicit A_iᵀS_i costs T·d·k; the cheaper
-one is used per layer ("mixed ghost clipping"). The clipped sum is Σ_i c_i A_iᵀ S_i, one
-weighted matmul (book-keeping: no second backward pass).
+The explicit A_iᵀS_i costs T·d·k per example and is used wherever it fits in memory; the
+Gram form T²(d+k), plus T·d·k for the clipped sum Σ_i c_i A_iᵀ S_i (one weighted matmul;
+book-keeping: no second backward pass).
 
 Floating point: both forms sum over t, where large terms can cancel; in float32 a crafted
-example's Gram norm came out 4× too small. With a sequence axis, norms and clipped sums
-are computed in float64 and clipped against a certified upper bound (rounding.py).
+example's Gram norm came out 4× too small. With a sequence axis the clip norm is a
+certified upper bound (rounding.py; DenseContribution says which).
 """
 
 from __future__ import annotations
@@ -45,77 +45,92 @@ EXPLICIT_FLOATS = 2 ** 26  # per-example kernel gradients [P, d, k] held explici
 class DenseContribution(Contribution):
     """Norms and clipped sums of a Dense layer, safe against cancellation (rounding.py).
 
-    Without a sequence axis ‖A_iᵀS_i‖² = ‖a_i‖²‖s_i‖² is a product of sums of squares (no
-    cancellation, relative error ≤ γ_{d+k+2}); the clipped sum Aᵀ(c ⊙ S) then has one term
-    per example and entry, kept in float32. With one, norms and clipped sums are computed
-    in float64 from the float32 inputs and the clip norm is the certified bound
-    U_i = sqrt(max(Ñ_i², 0) + γ_G M_i²) + γ_R M_i, M_i = Σ_t ‖a_it‖‖s_it‖ (kernel) and
-    Σ_t ‖s_it‖ (bias): U_i ≥ ‖∂ℓ_i/∂θ‖ and ≥ the norm of example i's released sum."""
+    Without a sequence axis ‖A_iᵀS_i‖² = ‖a_i‖²‖s_i‖², a product of sums of squares (no
+    cancellation; relative error ≤ γ_{d+k+2}), and the clipped sum Aᵀ(c ⊙ S) has one term
+    per example and entry. With one, the clip norm is a certified upper bound U_i on both
+    ‖∂ℓ_i/∂θ‖ and the norm of what is released for example i, with M_i = Σ_t ‖a_it‖‖s_it‖
+    (kernel) or Σ_t ‖s_it‖ (bias):
+
+    explicit (when [P, d, k] fits EXPLICIT_FLOATS): ĝ_i = A_iᵀS_i summed in the input
+        precision, U_i = ‖ĝ_i‖(1 + γ_dk)^½ + γ_{T+1} M_i, released Σ_i c_i ĝ_i;
+    Gram (otherwise): in float64, U_i = sqrt(max(Ñ_i², 0) + γ_{T²+d+k+1} M_i²) + γ_{T+2} M_i
+        with Ñ_i² = Σ_{t,t'} (a_it·a_it')(s_it·s_it'), released Aᵀ(c ⊙ S) in float64.
+
+    The explicit form costs T·d·k per example, the Gram form T²(d+k) on top of the same
+    T·d·k for its clipped sum, so the explicit form is used wherever it fits.
+    """
 
     def __init__(self, activations, output_grads, has_bias: bool, flat: bool):
-        # At least float32 even under a bfloat16 compute policy; float64 copies where summed over t.
+        # At least float32 even under a bfloat16 compute policy (float64: LoRA's products).
         self.a, self.s = _common_float(activations, output_grads)
         self.has_bias, self.flat = has_bias, flat
-        if not flat:
-            self.a64, self.s64 = tf.cast(self.a, tf.float64), tf.cast(self.s, tf.float64)
 
     def squared_norms(self):
         """U_i² (float64), an upper bound on ‖∂ℓ_i/∂θ_layer‖² (see the class docstring)."""
         if self.flat:  # a: [P, d], s: [P, k]
             a_sq, s_sq = (tf.reduce_sum(tf.square(tf.cast(t, tf.float64)), axis=1) for t in (self.a, self.s))
             d, k = tf.shape(self.a)[1], tf.shape(self.s)[1]
-            norms = a_sq * s_sq * (1.0 + rounding.gamma(d + k + 2))
+            norms = a_sq * s_sq * (1.0 + rounding.gamma(d + k + 2, self.s.dtype))
             return norms + s_sq * (1.0 + rounding.gamma(k)) if self.has_bias else norms
-        a, s = self.a64, self.s64  # [P, T, d], [P, T, k]
-        steps, d, k = tf.shape(a)[1], tf.shape(a)[2], tf.shape(s)[2]
-        scale = tf.reduce_sum(rounding.row_norms(a) * rounding.row_norms(s), axis=1)  # M_i
-        if self._gram_is_cheaper():
+        steps, d, k = tf.shape(self.a)[1], tf.shape(self.a)[2], tf.shape(self.s)[2]
+        s_norms = rounding.row_norms(self.s)
+        scale = tf.reduce_sum(rounding.row_norms(self.a) * s_norms, axis=1)  # M_i
+        if self._uses_gram_form():
+            a, s = self._float64_inputs()
             gram = tf.einsum("ptd,pud->ptu", a, a) * tf.einsum("ptk,puk->ptu", s, s)
             kernel = rounding.certified_norm(tf.reduce_sum(gram, axis=[1, 2]), scale, steps * steps + d + k + 1,
                                              steps + 2)
         else:
-            squares = tf.reduce_sum(tf.square(self._per_example_kernel_grads()), axis=[1, 2])
-            kernel = rounding.certified_norm(squares, scale, 0, steps + 2, squared_terms=d * k)
+            kernel = rounding.certified_norm(_squares(self._per_example_kernel_grads()), scale, 0, steps + 1,
+                                             squared_terms=d * k, summed_dtype=self.s.dtype)
         norms = tf.square(kernel)
-        if self.has_bias:
-            bias_scale = tf.reduce_sum(rounding.row_norms(s), axis=1)
-            squares = tf.reduce_sum(tf.square(self._per_example_bias_grads()), axis=1)
-            norms += tf.square(rounding.certified_norm(squares, bias_scale, 0, steps + 2, squared_terms=k))
+        if self.has_bias:  # b̂_i = Σ_t s_it, materialized in either form
+            bias_dtype = tf.float64 if self._uses_gram_form() else self.s.dtype
+            norms += tf.square(rounding.certified_norm(_squares(self._per_example_bias_grads()),
+                                                       tf.reduce_sum(s_norms, axis=1), 0, steps + 1,
+                                                       squared_terms=k, summed_dtype=bias_dtype))
         return norms
 
-    def _gram_is_cheaper(self) -> bool:
-        """The Gram form where it costs fewer FLOPs, T(d+k) ≤ dk, or where the explicit
-        [P, d, k] float64 products would exceed EXPLICIT_FLOATS float32 units."""
+    def _uses_gram_form(self) -> bool:
+        """The Gram form only where the explicit [P, d, k] products would exceed
+        EXPLICIT_FLOATS float32 units, or where the input precision's rounding bound over T
+        terms would be loose (TF32: T·2⁻¹¹ > 2⁻¹²)."""
         examples, steps, d, k = self.a.shape[0], self.a.shape[1], self.a.shape[2], self.s.shape[2]
-        too_big = examples is not None and 2 * examples * d * k > EXPLICIT_FLOATS
-        return too_big or (steps is not None and steps * (d + k) <= d * k)
+        width = 2 if self.s.dtype == tf.float64 else 1
+        too_big = examples is not None and width * examples * d * k > EXPLICIT_FLOATS
+        coarse = steps is not None and steps * rounding.unit_roundoff(self.s.dtype) > 2.0 ** -12
+        return too_big or coarse
+
+    def _float64_inputs(self):
+        if not hasattr(self, "_inputs64"):
+            self._inputs64 = tf.cast(self.a, tf.float64), tf.cast(self.s, tf.float64)
+        return self._inputs64
 
     def _per_example_kernel_grads(self) -> tf.Tensor:
-        """A_iᵀS_i for every example, [P, d, k] in float64; computed once, used for norms and sums."""
+        """A_iᵀS_i for every example, [P, d, k]; computed once, used for norms and sums."""
         if not hasattr(self, "_kernel_grads"):
-            self._kernel_grads = tf.einsum("ptd,ptk->pdk", self.a64, self.s64)
+            self._kernel_grads = tf.einsum("ptd,ptk->pdk", self.a, self.s)
         return self._kernel_grads
 
     def _per_example_bias_grads(self) -> tf.Tensor:
-        """Σ_t s_it for every example, [P, k] in float64; used for norms and sums alike."""
+        """Σ_t s_it for every example, [P, k] (float64 in the Gram form); norms and sums alike."""
         if not hasattr(self, "_bias_grads"):
-            self._bias_grads = tf.reduce_sum(self.s64, axis=1)
+            s = self._float64_inputs()[1] if self._uses_gram_form() else self.s
+            self._bias_grads = tf.reduce_sum(s, axis=1)
         return self._bias_grads
 
     def weighted_sums(self, clip_factors):
         if self.flat:
             sums = sum_over_examples(self._weighted_matmul, tf.cast(clip_factors, self.a.dtype), self.a, self.s)
-            return [tf.cast(t, tf.float32) for t in sums]
-        c = tf.cast(clip_factors, tf.float64)
-        bias = [self._per_example_bias_grads()] if self.has_bias else []
-        if not self._gram_is_cheaper():  # Σ_i c_i (A_iᵀS_i) from the stored products
-            sums = sum_over_examples(self._sum_of_products, c, self._per_example_kernel_grads(), *bias)
         else:
-            sums = sum_over_examples(self._weighted_matmul, c, self.a64, self.s64, *bias)
+            bias = [self._per_example_bias_grads()] if self.has_bias else []
+            if not self._uses_gram_form():  # Σ_i c_i ĝ_i from the stored products
+                c = tf.cast(clip_factors, self.s.dtype)
+                sums = sum_over_examples(_sum_of_products, c, self._per_example_kernel_grads(), *bias)
+            else:
+                c = tf.cast(clip_factors, tf.float64)
+                sums = sum_over_examples(self._weighted_matmul, c, *self._float64_inputs(), *bias)
         return [tf.cast(t, tf.float32) for t in sums]
-
-    def _sum_of_products(self, c, kernel_grads, *bias_grads):
-        return [tf.tensordot(c, kernel_grads, axes=1)] + [tf.tensordot(c, b, axes=1) for b in bias_grads]
 
     def _weighted_matmul(self, c, a, s, *bias_grads):
         """Σ_i c_i A_iᵀS_i = Aᵀ (c ⊙ S), one matmul over all examples and positions."""
@@ -128,6 +143,17 @@ class DenseContribution(Contribution):
         if self.flat:
             return [kernel, tf.reduce_sum(weighted_s, axis=0)]
         return [kernel, tf.tensordot(c, bias_grads[0], axes=1)]
+
+
+def _squares(per_example: tf.Tensor) -> tf.Tensor:
+    """Σ_j g_ij² per example, in float64 (the squares of float32 values are exact)."""
+    rows = tf.reshape(tf.cast(per_example, tf.float64), [tf.shape(per_example)[0], -1])
+    return tf.reduce_sum(tf.square(rows), axis=1)
+
+
+def _sum_of_products(c, *per_example):
+    """[Σ_i c_i g_i] for each [P, ...] tensor."""
+    return [tf.tensordot(c, g, axes=1) for g in per_example]
 
 
 def trainable_bias(layer) -> bool:

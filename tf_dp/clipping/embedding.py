@@ -2,9 +2,9 @@
 
 z_it = E[id_it]. The per-example gradient of the table is Σ_t e_{id_it} s_itᵀ, so
 
-    ‖∂ℓ_i/∂E‖_F² = Σ_{t,t'} [id_it = id_it'] (s_it·s_it'),
+    ‖∂ℓ_i/∂E‖_F² = Σ_{t,t'} [id_it = id_it'] (s_it·s_it') = Σ_v ‖Σ_{t: id_it = v} s_it‖²,
 
-and the clipped sum scatters c_i s_it into row id_it.
+computed in the explicit (right-hand) form, and the clipped sum scatters c_i s_it into row id_it.
 """
 
 from __future__ import annotations
@@ -20,29 +20,48 @@ from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register
 
 
 class EmbeddingContribution(Contribution):
-    """Norms and sums in float64; the clip norm is the certified bound (rounding.py)
-    U_i = sqrt(max(Ñ_i², 0) + γ_{T²+k+1} M_i²) + γ_{T+2} M_i with M_i = Σ_t ‖s_it‖: repeated
-    ids with cancelling s_it make the float32 Ñ_i² arbitrarily small (or negative)."""
+    """Per-example rows in explicit form: r_iv = Σ_{t: id_it = v} s_it for each distinct id v
+    of example i (at most T rows per example, so P·T·k work, not the T²·k of the Gram form
+    Σ_{t,t'} [id_it = id_it'] (s_it·s_it'), whose cancellation — repeated ids with opposite
+    s_it — made the float32 norm arbitrarily small or negative).
+
+    Clip norm U_i = (Σ_v ‖r̂_iv‖²)^½ (1 + γ_{k·T})^½ + Σ_v γ_{n_iv − 1} Σ_{t: id_it = v} ‖s_it‖,
+    n_iv the positions of id v in example i (a row of one position is exact), is ≥ the exact
+    norm and the norm of the released Σ_v c_i r̂_iv (rounding.py); the clipped sum scatters
+    c_i r̂_iv into row v."""
 
     def __init__(self, ids, output_grads, vocabulary_size: int):
         self.ids, self.vocabulary_size = ids, vocabulary_size  # [P, T]
-        self.s = tf.cast(output_grads, tf.float64)  # [P, T, k], float64 under any compute policy
+        s = tf.convert_to_tensor(output_grads)
+        self.s = s if s.dtype == tf.float64 else tf.cast(s, tf.float32)  # [P, T, k]; float32 under bfloat16 too
+        examples, steps = tf.shape(ids, out_type=tf.int64)[0], tf.shape(ids, out_type=tf.int64)[1]
+        keys = tf.reshape(tf.range(examples)[:, None] * tf.cast(vocabulary_size, tf.int64) + ids, [-1])
+        unique_keys, self.slot = tf.unique(keys)  # one slot per (example, id) pair
+        self.num_rows = tf.size(unique_keys)
+        self.rows = tf.math.unsorted_segment_sum(tf.reshape(self.s, [-1, tf.shape(self.s)[-1]]), self.slot,
+                                                 self.num_rows)
+        self.row_example = unique_keys // vocabulary_size
+        self.row_id = unique_keys % vocabulary_size
+        self.examples, self.steps = examples, steps
 
     def squared_norms(self):
-        same_id = tf.cast(tf.equal(self.ids[:, :, None], self.ids[:, None, :]), self.s.dtype)
-        squares = tf.reduce_sum(same_id * tf.einsum("ptk,puk->ptu", self.s, self.s), axis=[1, 2])
-        steps, k = tf.shape(self.s)[1], tf.shape(self.s)[2]
-        scale = tf.reduce_sum(rounding.row_norms(self.s), axis=1)
-        return tf.square(rounding.certified_norm(squares, scale, steps * steps + k + 1, steps + 2))
+        squares = tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(tf.cast(self.rows, tf.float64)), axis=1),
+                                               self.row_example, self.examples)
+        count = tf.math.unsorted_segment_sum(tf.ones_like(self.slot, tf.float64), self.slot, self.num_rows)
+        row_scale = tf.math.unsorted_segment_sum(tf.reshape(rounding.row_norms(self.s), [-1]), self.slot,
+                                                 self.num_rows)  # Σ_{t in the row} ‖s_it‖
+        row_error = tf.math.multiply_no_nan(rounding.gamma(count - 1.0, self.s.dtype), row_scale)  # ≥ ‖r̂ − r‖
+        error = tf.math.unsorted_segment_sum(row_error, self.row_example, self.examples)
+        k = tf.shape(self.s, out_type=tf.int64)[2]
+        return tf.square(tf.sqrt(squares * (1.0 + rounding.gamma(k * self.steps))) + error)
 
     def weighted_sums(self, clip_factors):
-        sums = sum_over_examples(self._scatter, tf.cast(clip_factors, self.s.dtype), self.s)
+        c = tf.gather(tf.cast(clip_factors, self.s.dtype), self.row_example)  # c_i of each row
+        sums = sum_over_examples(self._scatter, c, self.rows)
         return [tf.cast(t, tf.float32) for t in sums]
 
-    def _scatter(self, c, s):
-        weighted_s = s * c[:, None, None]
-        return [tf.math.unsorted_segment_sum(tf.reshape(weighted_s, [-1, tf.shape(s)[-1]]), tf.reshape(self.ids, [-1]),
-                                             self.vocabulary_size)]
+    def _scatter(self, c, rows):
+        return [tf.math.unsorted_segment_sum(rows * c[:, None], self.row_id, self.vocabulary_size)]
 
 
 class EmbeddingRule(GhostRule):

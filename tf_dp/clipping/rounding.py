@@ -24,28 +24,48 @@ weight of an example at C / (sqrt(γ_G)·M_i): a cancelling example is never amp
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
-UNIT_ROUNDOFF = 2.0 ** -53
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-def gamma(n) -> tf.Tensor:
-    """γ_n = n·u / (1 − n·u) for float64 (n a Python or tensor count); doubled as a margin
-    for the rounding of the bound's own positive terms."""
-    nu = tf.cast(n, tf.float64) * UNIT_ROUNDOFF
-    return 2.0 * nu / (1.0 - nu)
+def unit_roundoff(dtype) -> float:
+    """u of the arithmetic ``dtype`` tensors are summed in: 2⁻⁵³ for float64, 2⁻²⁴ for
+    float32 — or 2⁻¹¹ where TensorFloat-32 is on and a GPU is visible (TF32 matmuls round
+    their float32 inputs to 10 mantissa bits; on by default on Ampere and later)."""
+    if tf.as_dtype(dtype) == tf.float64:
+        return 2.0 ** -53
+    if tf.config.experimental.tensor_float_32_execution_enabled() and _gpus_visible():
+        return 2.0 ** -11
+    return 2.0 ** -24
+
+
+@functools.lru_cache(maxsize=None)
+def _gpus_visible() -> bool:
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def gamma(n, dtype=tf.float64) -> tf.Tensor:
+    """γ_n = n·u / (1 − n·u) in float64 (n a Python or tensor count, u of ``dtype``), times
+    1 + 2⁻³⁰ for the float64 rounding of the bound's own positive terms; +inf once
+    n·u ≥ 1/2 (no bound: the example then gets a zero clip factor)."""
+    nu = tf.maximum(tf.cast(n, tf.float64), 0.0) * unit_roundoff(dtype)
+    return tf.where(nu < 0.5, (1.0 + 2.0 ** -30) * nu / (1.0 - nu), tf.constant(float("inf"), tf.float64))
 
 
 def certified_norm(squared_estimate: tf.Tensor, cancellation_scale: tf.Tensor, gram_terms, summed_terms,
-                   squared_terms=0) -> tf.Tensor:
+                   squared_terms=0, summed_dtype=tf.float64) -> tf.Tensor:
     """U = sqrt(max(Ñ², 0)·(1 + γ_S) + γ_G M²) + γ_R M, an upper bound on the exact norm and
-    on the norm of the float64 sum that is released. ``gram_terms``: the n of γ_G (0 when
-    Ñ² is a sum of ``squared_terms`` squares of the released values themselves, whose
-    relative error γ_S the factor covers); ``summed_terms``: the n of γ_R."""
+    on the norm of the sum that is released. ``gram_terms``: the n of γ_G (0 when Ñ² is a
+    float64 sum of ``squared_terms`` squares of the released values themselves, whose
+    relative error γ_S the factor covers); ``summed_terms``: the n of γ_R, for sums in
+    ``summed_dtype``."""
     m = cancellation_scale
     squared = tf.maximum(squared_estimate, 0.0) * (1.0 + gamma(squared_terms))
-    return tf.sqrt(squared + gamma(gram_terms) * tf.square(m)) + gamma(summed_terms) * m
+    gram_slack = tf.math.multiply_no_nan(gamma(gram_terms), tf.square(m))  # 0 (not NaN) when M = 0
+    return tf.sqrt(squared + gram_slack) + tf.math.multiply_no_nan(gamma(summed_terms, summed_dtype), m)
 
 
 def row_norms(tensor: tf.Tensor) -> tf.Tensor:
