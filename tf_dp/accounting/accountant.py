@@ -4,13 +4,30 @@ Each Poisson-sampled step is ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``; 
 compose. RDP is the default (tensorflow-privacy's convention), PLD is tighter.
 Known answer (ALGORITHMS §1): N=60000, L=256, σ=1.1, 60 epochs, δ=1e-5 → RDP 2.597,
 PLD 2.382.
+
+Speed without changing a single result:
+
+* RDP composes additively, so ε of any composition of Poisson-sampled Gaussian steps is
+
+      ε = min_α conv_δ(α, Σ_k T_k · RDP_α(q_k, σ_k)),
+
+  and the per-step RDP_α(q, σ) — computed by dp_accounting's RDP accountant for ONE step,
+  the expensive part — is cached per (step, order). ε for any step count, ledger or budget
+  search then costs one sum and one conversion; the numbers are dp_accounting's bit for bit.
+* σ calibration predicts σ* with a secant on log ε against log σ (nearly a straight line),
+  replays the original bisection against the prediction, and then checks the two ends of
+  the bisection's final interval exactly; only if a check fails does it bisect as before.
+  The answer is the original bisection's, with ~2 full evaluations instead of ~12.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Callable, Optional
+
+import numpy as np
 
 from absl import logging as absl_logging
 from dp_accounting import dp_event
@@ -23,6 +40,7 @@ ACCOUNTANTS = ("rdp", "pld")
 # tensorflow-privacy's RDP orders, so ε matches its `compute_dp_sgd_privacy`.
 RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512]
 PLD_DISCRETIZATION = 1e-4
+_LARGEST_SIGMA = 2.0**13  # σ calibration doubles σ from 1 up to here, then gives up
 
 
 def _accountant(name: str):
@@ -33,12 +51,73 @@ def _accountant(name: str):
 
 
 def epsilon_of_event(event: dp_event.DpEvent, delta: float, accountant: str = "rdp") -> float:
-    """ε at ``delta`` of any ``dp_accounting`` event."""
+    """ε at ``delta`` of any ``dp_accounting`` event: under RDP from cached per-step RDP
+    curves when the event is built of (Poisson-sampled) Gaussian steps, else (and under PLD)
+    by composing the event in a fresh dp_accounting accountant. Both give the same number."""
     delta = _checks.delta(delta)
+    _checks.one_of("accountant", accountant, ACCOUNTANTS)
+    if accountant == "rdp":
+        rdp = rdp_of_event(event)
+        if rdp is not None:
+            return _epsilon_from_rdp(rdp, delta)[0]
+    return _epsilon_by_accountant(event, delta, accountant)
+
+
+def _epsilon_by_accountant(event: dp_event.DpEvent, delta: float, accountant: str) -> float:
+    """ε composed by a fresh dp_accounting accountant (the reference the fast path equals)."""
     engine = _accountant(accountant)
     with _quiet_absl():
         engine.compose(event)
         return float(engine.get_epsilon(delta))
+
+
+# -- RDP curves: one step's RDP per order, reused for every step count ---------------------
+
+def rdp_of_event(event: dp_event.DpEvent, orders=RDP_ORDERS) -> Optional[np.ndarray]:
+    """RDP at ``orders`` of ``event``, composed exactly as dp_accounting's ``RdpAccountant``
+    does — Σ over its steps of count × per-step RDP, in the event's order — from cached
+    per-step values. None if the event holds anything but (Poisson-sampled) Gaussian steps."""
+    total = np.zeros(len(orders), dtype=np.float64)
+    return total if _add_rdp(total, event, 1, tuple(float(a) for a in orders)) else None
+
+
+def _add_rdp(total: np.ndarray, event: dp_event.DpEvent, count: int, orders: tuple) -> bool:
+    if isinstance(event, dp_event.NoOpDpEvent):
+        return True
+    if isinstance(event, dp_event.NonPrivateDpEvent):
+        total += np.inf
+        return True
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        return _add_rdp(total, event.event, event.count * count, orders)
+    if isinstance(event, dp_event.ComposedDpEvent):
+        return all(_add_rdp(total, e, count, orders) for e in event.events)
+    if _is_gaussian_step(event):
+        total += count * np.array([_step_rdp(event, order) for order in orders])
+        return True
+    return False
+
+
+def _is_gaussian_step(event: dp_event.DpEvent) -> bool:
+    if isinstance(event, dp_event.PoissonSampledDpEvent):
+        event = event.event
+    return type(event) is dp_event.GaussianDpEvent
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _step_rdp(step: dp_event.DpEvent, order: float) -> float:
+    """RDP at ``order`` of ONE (Poisson-sampled) Gaussian step, by dp_accounting."""
+    engine = rdp_privacy_accountant.RdpAccountant([order])
+    with _quiet_absl():
+        engine.compose(step)
+    return float(engine.rdp[0])
+
+
+def _epsilon_from_rdp(rdp: np.ndarray, delta: float, orders=RDP_ORDERS) -> tuple:
+    """(ε, best order) at δ from an RDP curve: dp_accounting's conversion,
+    ε = min_α rdp_α + log(1 − 1/α) − log(δα)/(α − 1)."""
+    with _quiet_absl():
+        epsilon, order = rdp_privacy_accountant.compute_epsilon(np.array(orders, dtype=np.float64), rdp, delta)
+    return float(epsilon), float(order)
 
 
 @contextlib.contextmanager
@@ -110,17 +189,119 @@ def calibrate_noise_multiplier(
     Raises ``ValueError`` if the target is unreachable (e.g. ``prior_event`` already spent it).
     """
     target_epsilon = _checks.positive("target_epsilon", target_epsilon)
+    delta = _checks.delta(delta)
+    _checks.one_of("accountant", accountant, ACCOUNTANTS)
     num_examples, batch_size, _ = _check_problem(num_examples, batch_size)
     total_steps = steps_for(num_examples, batch_size, epochs, steps)
     rate = batch_size / num_examples
 
-    def epsilon(sigma: float) -> float:
-        event = dp_sgd_event(rate, sigma, total_steps)
-        if prior_event is not None:
-            event = dp_event.ComposedDpEvent([prior_event, event])
-        return epsilon_of_event(event, delta, accountant)
+    def event(sigma: float) -> dp_event.DpEvent:
+        training = dp_sgd_event(rate, sigma, total_steps)
+        return training if prior_event is None else dp_event.ComposedDpEvent([prior_event, training])
 
-    return _smallest_sigma_within(epsilon, target_epsilon)
+    def epsilon(sigma: float) -> float:
+        return epsilon_of_event(event(sigma), delta, accountant)
+
+    if rdp_of_event(event(1.0), orders=()) is None:  # not RDP curves: search on ε itself
+        return _smallest_sigma_within(epsilon, target_epsilon)
+    rdp = _LocalRdpEpsilon(event, delta)
+    estimate, slope = _log_log_root(rdp, target_epsilon, start=1.0, tolerance=1e-7)
+    if estimate is None:  # no finite root (e.g. a prior event already spent the budget)
+        return _bisect_sigma(_BudgetCheck(epsilon, target_epsilon).exceeds, target_epsilon, 1e-3)[1]
+    if accountant == "rdp":
+        return _smallest_sigma_within(epsilon, target_epsilon, estimate=estimate,
+                                      fits=lambda sigma: rdp(sigma) <= target_epsilon)
+    # PLD: no curve to reuse, but the RDP answer and slope start the secant close by.
+    return _smallest_sigma_within(epsilon, target_epsilon, start=estimate, slope=slope)
+
+
+class _LocalRdpEpsilon:
+    """ε(σ) from the RDP orders around the best order found so far: a cheap upper bound
+    that equals ε wherever the best order lies inside the window.
+
+    The first call looks at every (2·``half_width`` + 1)-th order; later calls use
+    ±``half_width`` orders around the last best one, sliding the window while its best order
+    sits on an edge. Each value is a minimum over orders of dp_accounting's per-order bound,
+    so ε_window(σ) ≤ target proves ε(σ) ≤ target exactly.
+    """
+
+    def __init__(self, event: Callable[[float], dp_event.DpEvent], delta: float, half_width: int = 3):
+        self._event, self._delta, self._half_width = event, delta, half_width
+        self._best = None  # index in RDP_ORDERS of the last best order
+
+    def __call__(self, sigma: float) -> float:
+        while True:
+            window = self._window()
+            orders = [RDP_ORDERS[i] for i in window]
+            epsilon, order = _epsilon_from_rdp(rdp_of_event(self._event(sigma), orders), self._delta, orders)
+            best = window[orders.index(order)] if math.isfinite(epsilon) else self._best
+            on_edge = best in (window[0], window[-1]) and best not in (0, len(RDP_ORDERS) - 1)
+            moved, self._best = best != self._best, best
+            if self._best is None or not (on_edge and moved):
+                return epsilon
+
+    def _window(self) -> list:
+        if self._best is None:  # a sparse first look over the whole range
+            return sorted(set(range(0, len(RDP_ORDERS), 2 * self._half_width + 1)) | {len(RDP_ORDERS) - 1})
+        low = max(self._best - self._half_width, 0)
+        return list(range(low, min(self._best + self._half_width, len(RDP_ORDERS) - 1) + 1))
+
+
+def _log_log_root(epsilon: Callable[[float], float], target: float, start: float, slope: float = -1.0,
+                  tolerance: float = 1e-4, max_evaluations: int = 20) -> tuple:
+    """(σ̂, slope) with ε(σ̂) ≈ target, by the secant method on y = log(ε/target) against
+    x = log σ, where DP-SGD's ε is nearly a straight line (ε ∝ σ^s, s ≈ −1 to −2):
+
+        x_{k+1} = x_k − y_k / s_k,   s_k = (y_k − y_{k−1}) / (x_k − x_{k−1})   (s_0 = ``slope``).
+
+    Steps are capped at a factor 4 in σ (doubling while ε = ∞). Returns the prediction once
+    a step is below ``tolerance`` (relative); (None, slope) if that does not happen, or if ε
+    still exceeds the target beyond twice the largest σ the bisection tries."""
+    x, y = math.log(start), _log_ratio(epsilon(start), target)
+    for _ in range(max_evaluations):
+        if y > 0 and x > math.log(2 * _LARGEST_SIGMA):
+            break  # ε still above the target where the bisection gives up
+        step = _secant_step(y, slope)
+        if abs(step) < tolerance:
+            return math.exp(x + step), slope
+        x_next = x + step
+        y_next = _log_ratio(epsilon(math.exp(x_next)), target)
+        if math.isfinite(y) and math.isfinite(y_next) and (y_next - y) / step < 0:
+            slope = (y_next - y) / step
+        x, y = x_next, y_next
+    return None, slope
+
+
+def _log_ratio(epsilon: float, target: float) -> float:
+    if epsilon <= 0:
+        return -math.inf
+    return math.log(epsilon / target)
+
+
+def _secant_step(y: float, slope: float, largest: float = math.log(4)) -> float:
+    if math.isinf(y):
+        return math.log(2) if y > 0 else -math.log(2)
+    return min(max(-y / slope, -largest), largest)
+
+
+class _BudgetCheck:
+    """Whether ε(σ) > target, each σ decided once: by ``fits`` when that proves ε(σ) ≤ target
+    cheaply, else by ε(σ) itself (memoized, shared with the secant search)."""
+
+    def __init__(self, epsilon: Callable[[float], float], target: float, fits: Optional[Callable] = None):
+        self._epsilon, self._target, self._fits = epsilon, target, fits
+        self._values, self._decisions = {}, {}
+
+    def epsilon(self, sigma: float) -> float:
+        if sigma not in self._values:
+            self._values[sigma] = self._epsilon(sigma)
+        return self._values[sigma]
+
+    def exceeds(self, sigma: float) -> bool:
+        if sigma not in self._decisions:
+            proven_within = self._fits is not None and self._fits(sigma)
+            self._decisions[sigma] = not proven_within and self.epsilon(sigma) > self._target
+        return self._decisions[sigma]
 
 
 def largest_fitting(fits: Callable[[int], bool], lowest: int, highest: int) -> int:
@@ -137,11 +318,44 @@ def largest_fitting(fits: Callable[[int], bool], lowest: int, highest: int) -> i
     return good
 
 
-def _smallest_sigma_within(epsilon, target: float, relative_tolerance: float = 1e-3) -> float:
+def _smallest_sigma_within(epsilon: Callable[[float], float], target: float, relative_tolerance: float = 1e-3,
+                           estimate: Optional[float] = None, fits: Optional[Callable[[float], bool]] = None,
+                           start: float = 1.0, slope: float = -1.0) -> float:
+    """The σ of ``_bisect_sigma`` (doubling from 1, then bisection to ``relative_tolerance``)
+    for ε decreasing in σ, found with few evaluations of ε:
+
+    1. σ̂ ≈ σ* from ``estimate``, else by the secant search on ε itself from ``start``;
+    2. the bisection replayed against σ̂ (σ < σ̂ ⇒ "exceeds") gives its final interval
+       (low, high];
+    3. if ε(low) > target and ε(high) ≤ target, every step of the real bisection — which
+       only ever compares points outside (low, high) — decides as the replay did: return high.
+       Otherwise predict once more from the failed end, and then bisect for real, reusing
+       every ε already computed.
+
+    ``fits(σ)`` may prove ε(σ) ≤ target cheaply (an RDP bound on a few orders).
+    """
+    check = _BudgetCheck(epsilon, target, fits)
+    if estimate is None:
+        estimate, slope = _log_log_root(check.epsilon, target, start, slope, tolerance=3e-4)
+    for _ in range(2):  # a second prediction restarts from the end of the interval that failed
+        if estimate is None or not 0 < estimate <= _LARGEST_SIGMA:
+            break
+        low, high = _bisect_sigma(lambda sigma: sigma < estimate, target, relative_tolerance)
+        low_exceeds = low == 0 or check.exceeds(low)
+        if low_exceeds and not check.exceeds(high):
+            return high
+        estimate, slope = _log_log_root(check.epsilon, target, high if low_exceeds else low, slope, tolerance=3e-4)
+    return _bisect_sigma(check.exceeds, target, relative_tolerance)[1]
+
+
+
+def _bisect_sigma(exceeds: Callable[[float], bool], target: float, relative_tolerance: float) -> tuple:
+    """The original search: double σ from 1 until ε(σ) ≤ target, then bisect until the
+    interval (low, high] is within ``relative_tolerance`` of high. Returns (low, high)."""
     high = 1.0
-    while epsilon(high) > target:
+    while exceeds(high):
         high *= 2
-        if high > 1e4:
+        if high > _LARGEST_SIGMA:
             raise ValueError(
                 f"target_epsilon={target} is unreachable: even noise_multiplier=1e4 exceeds it "
                 "(was the budget already spent by earlier training?). Raise target_epsilon."
@@ -149,8 +363,8 @@ def _smallest_sigma_within(epsilon, target: float, relative_tolerance: float = 1
     low = high / 2 if high > 1.0 else 0.0
     while high - low > relative_tolerance * high:
         middle = (low + high) / 2
-        if epsilon(middle) > target:
+        if exceeds(middle):
             low = middle
         else:
             high = middle
-    return high
+    return low, high
