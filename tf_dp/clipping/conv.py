@@ -18,6 +18,10 @@ equivalent depthwise filter gradient (examples as channels), else the unfolded r
 A grouped layer (``groups = G``) is G Dense contributions, one per group g: input channels
 [g·C_in/G, (g+1)·C_in/G) to outputs [g·C_out/G, (g+1)·C_out/G); their norms add up and
 their kernel sums are concatenated along the output axis.
+
+Floating point (rounding.py): the unfolded route inherits the Dense form's certified norm;
+the grouped/depthwise routes clip the per-example kernel gradients they release by those
+gradients' own norm, which bounds the release by C whatever rounding the kernel did.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class DenseContribution(Contribution):
     (kernel) or Σ_t ‖s_it‖ (bias):
 
     explicit (when [P, d, k] fits EXPLICIT_FLOATS): ĝ_i = A_iᵀS_i summed in the input
-        precision, U_i = ‖ĝ_i‖(1 + γ_dk)^½ + γ_{T+1} M_i, released Σ_i c_i ĝ_i;
+        precision, U_i = ‖ĝ_i‖(1 + γ_{dk+1})^½ + γ_{T+1} M_i, released Σ_i c_i ĝ_i;
     Gram (otherwise): in float64, U_i = sqrt(max(Ñ_i², 0) + γ_{T²+d+k+1} M_i²) + γ_{T+2} M_i
         with Ñ_i² = Σ_{t,t'} (a_it·a_it')(s_it·s_it'), released Aᵀ(c ⊙ S) in float64.
 
@@ -68,10 +68,9 @@ class DenseContribution(Contribution):
     def squared_norms(self):
         """U_i² (float64), an upper bound on ‖∂ℓ_i/∂θ_layer‖² (see the class docstring)."""
         if self.flat:  # a: [P, d], s: [P, k]
-            a_sq, s_sq = (tf.reduce_sum(tf.square(tf.cast(t, tf.float64)), axis=1) for t in (self.a, self.s))
-            d, k = tf.shape(self.a)[1], tf.shape(self.s)[1]
-            norms = a_sq * s_sq * (1.0 + rounding.gamma(d + k + 2, self.s.dtype))
-            return norms + s_sq * (1.0 + rounding.gamma(k)) if self.has_bias else norms
+            a_sq, s_sq = rounding.squared_sum(self.a), rounding.squared_sum(self.s)
+            norms = a_sq * s_sq * (1.0 + rounding.gamma(2))
+            return norms + s_sq if self.has_bias else norms
         steps, d, k = tf.shape(self.a)[1], tf.shape(self.a)[2], tf.shape(self.s)[2]
         s_norms = rounding.row_norms(self.s)
         scale = tf.reduce_sum(rounding.row_norms(self.a) * s_norms, axis=1)  # M_i
@@ -82,13 +81,13 @@ class DenseContribution(Contribution):
                                              steps + 2)
         else:
             kernel = rounding.certified_norm(_squares(self._per_example_kernel_grads()), scale, 0, steps + 1,
-                                             squared_terms=d * k, summed_dtype=self.s.dtype)
+                                             summed_dtype=self.s.dtype)
         norms = tf.square(kernel)
         if self.has_bias:  # b̂_i = Σ_t s_it, materialized in either form
             bias_dtype = tf.float64 if self._uses_gram_form() else self.s.dtype
             norms += tf.square(rounding.certified_norm(_squares(self._per_example_bias_grads()),
                                                        tf.reduce_sum(s_norms, axis=1), 0, steps + 1,
-                                                       squared_terms=k, summed_dtype=bias_dtype))
+                                                       summed_dtype=bias_dtype))
         return norms
 
     def _uses_gram_form(self) -> bool:
@@ -146,9 +145,8 @@ class DenseContribution(Contribution):
 
 
 def _squares(per_example: tf.Tensor) -> tf.Tensor:
-    """Σ_j g_ij² per example, in float64 (the squares of float32 values are exact)."""
-    rows = tf.reshape(tf.cast(per_example, tf.float64), [tf.shape(per_example)[0], -1])
-    return tf.reduce_sum(tf.square(rows), axis=1)
+    """An upper bound on Σ_j g_ij² per example, float64 (rounding.squared_sum)."""
+    return rounding.squared_sum(tf.reshape(per_example, [tf.shape(per_example)[0], -1]))
 
 
 def _sum_of_products(c, *per_example):

@@ -25,7 +25,7 @@ class EmbeddingContribution(Contribution):
     Σ_{t,t'} [id_it = id_it'] (s_it·s_it'), whose cancellation — repeated ids with opposite
     s_it — made the float32 norm arbitrarily small or negative).
 
-    Clip norm U_i = (Σ_v ‖r̂_iv‖²)^½ (1 + γ_{k·T})^½ + Σ_v γ_{n_iv − 1} Σ_{t: id_it = v} ‖s_it‖,
+    Clip norm U_i = (Σ_v ‖r̂_iv‖²)^½ (1 + γ)^½ + Σ_v γ_{n_iv − 1} Σ_{t: id_it = v} ‖s_it‖,
     n_iv the positions of id v in example i (a row of one position is exact), is ≥ the exact
     norm and the norm of the released Σ_v c_i r̂_iv (rounding.py); the clipped sum scatters
     c_i r̂_iv into row v."""
@@ -45,15 +45,13 @@ class EmbeddingContribution(Contribution):
         self.examples, self.steps = examples, steps
 
     def squared_norms(self):
-        squares = tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(tf.cast(self.rows, tf.float64)), axis=1),
-                                               self.row_example, self.examples)
+        squares = tf.math.unsorted_segment_sum(rounding.squared_sum(self.rows), self.row_example, self.examples)
         count = tf.math.unsorted_segment_sum(tf.ones_like(self.slot, tf.float64), self.slot, self.num_rows)
         row_scale = tf.math.unsorted_segment_sum(tf.reshape(rounding.row_norms(self.s), [-1]), self.slot,
                                                  self.num_rows)  # Σ_{t in the row} ‖s_it‖
         row_error = tf.math.multiply_no_nan(rounding.gamma(count - 1.0, self.s.dtype), row_scale)  # ≥ ‖r̂ − r‖
         error = tf.math.unsorted_segment_sum(row_error, self.row_example, self.examples)
-        k = tf.shape(self.s, out_type=tf.int64)[2]
-        return tf.square(tf.sqrt(squares * (1.0 + rounding.gamma(k * self.steps))) + error)
+        return tf.square(tf.sqrt(squares * (1.0 + rounding.gamma(self.steps))) + error)  # T rows at most
 
     def weighted_sums(self, clip_factors):
         c = tf.gather(tf.cast(clip_factors, self.s.dtype), self.row_example)  # c_i of each row

@@ -4,7 +4,9 @@ z = x̂ ⊙ γ + β with x̂ the normalised input. Per example, over its positio
 
     ∂ℓ_i/∂γ = Σ_t s_it ⊙ x̂_it,   ∂ℓ_i/∂β = Σ_t s_it,
 
-which are only [P, d] each: they are formed explicitly (cheaper than any ghost form).
+which are only [P, d] each: they are formed explicitly (cheaper than any ghost form), and
+clipped by the norm of exactly those released vectors (rounding.py), so cancellation over t
+cannot enlarge a released contribution beyond C.
 """
 
 from __future__ import annotations

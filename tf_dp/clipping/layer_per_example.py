@@ -19,9 +19,8 @@ from tf_dp.clipping.registry import Contribution, GhostRule, Recording
 
 
 def squared_row_norms(per_example: tf.Tensor) -> tf.Tensor:
-    """(1 + γ_n) Σ_j g_ij² per row of a [P, ...] tensor, in float64 (n entries per row)."""
-    rows = tf.reshape(tf.cast(per_example, tf.float64), [tf.shape(per_example)[0], -1])
-    return tf.reduce_sum(tf.square(rows), axis=1) * (1.0 + rounding.gamma(tf.shape(rows)[1]))
+    """An upper bound on Σ_j g_ij² per row of a [P, ...] tensor, float64 (rounding.squared_sum)."""
+    return rounding.squared_sum(tf.reshape(per_example, [tf.shape(per_example)[0], -1]))
 
 
 def _is_batched_tensor(value) -> bool:
@@ -35,8 +34,8 @@ class MaterializedContribution(Contribution):
         self.per_example_grads = [tf.cast(g, tf.float32) for g in per_example_grads]
 
     def squared_norms(self):
-        """Σ ĝ_i² in float64 times (1 + γ_n): the squares of float32 values are exact and all
-        terms positive, so this bounds the squared norm of exactly what is released, c_i ĝ_i."""
+        """Σ ĝ_i² bounded above (all terms positive: relative error ≤ γ_{n+1}): the squared
+        norm of exactly what is released, c_i ĝ_i."""
         return tf.add_n([squared_row_norms(g) for g in self.per_example_grads])
 
     def weighted_sums(self, clip_factors):

@@ -1,25 +1,32 @@
 """Rounding-error bounds that make per-example norms safe to clip against (ALGORITHMS §6).
 
-A clip factor c_i = C / max(U_i, C) bounds the released contribution c_i ĝ_i by C only if
-U_i ≥ ‖ĝ_i‖, where ĝ_i is the per-example gradient as the clipped sum computes it. Forms
-that sum over positions t (the Gram form, explicit A_iᵀS_i, repeated embedding ids) can
-cancel: large terms, a small sum. Their norms and released sums are therefore computed in
-float64 from the float32 inputs, and U_i is inflated by a worst-case rounding bound.
+A clip factor c_i = C / max(U_i, C) bounds example i's released contribution c_i ĝ_i by C
+only if U_i ≥ ‖ĝ_i‖, ĝ_i being the per-example gradient as the clipped sum computes it.
+Forms that sum over positions t (Σ_t a_it s_itᵀ, the Gram form, repeated embedding ids)
+can cancel — large terms, a small sum — so in floating point ĝ_i, the Gram estimate Ñ_i
+and the exact g_i can all differ by much more than their own size. Each rule therefore
+returns an upper bound U_i² valid for any finite input, on BOTH the exact ‖g_i‖ and the
+norm of what it releases; the clip factor comes from that bound.
 
-Standard model (Higham, Accuracy and Stability of Numerical Algorithms, §3.1): with
-u = 2⁻⁵³, any summation order of n float64 terms errs by at most γ_{n−1}·Σ|terms|,
-γ_n = n·u / (1 − n·u); a product of two float32 values is exact in float64. With
-M_i = Σ_t ‖a_it‖‖s_it‖ (so ‖g_i‖ ≤ M_i) this gives, for g_i = Σ_t a_it s_itᵀ:
+Standard model (Higham, Accuracy and Stability of Numerical Algorithms, §3.1): summing n
+terms in any order, with unit roundoff u (2⁻²⁴ float32, 2⁻⁵³ float64), errs by at most
+γ_{n−1}·Σ|terms|, γ_n = n·u / (1 − n·u); products of two float32 values are exact in
+float64. With M_i = Σ_t ‖a_it‖‖s_it‖ (so ‖g_i‖ ≤ M_i):
 
-    Gram form  |Ñ_i² − ‖g_i‖²| ≤ γ_{T²+d+k+1} · M_i²
-    a sum Σ_t a_it s_itᵀ (explicit form, or the released Σ_i c_i A_iᵀS_i of one example)
-               ‖ĝ_i − g_i‖_F ≤ γ_T · M_i
+    a sum ĝ_i = Σ_t a_it s_itᵀ (explicit form; or example i's part of a clipped sum)
+        ‖ĝ_i − g_i‖_F ≤ γ_T · M_i            ⇒ U_i = ‖ĝ_i‖ + γ_{T+1} M_i
+    the Gram form in float64, Ñ_i² = Σ_{t,t'} (a_it·a_it')(s_it·s_it')
+        |Ñ_i² − ‖g_i‖²| ≤ γ_{T²+d+k+1} M_i²  ⇒ U_i = sqrt(max(Ñ_i², 0) + γ_G M_i²) + γ_R M_i
+                                              (γ_R for the float64 clipped sum)
 
-so U_i = sqrt(max(Ñ_i², 0) + γ_G M_i²) + γ_R M_i ≥ max(‖g_i‖, ‖ĝ_i‖), with γ_G, γ_R
-the bounds of the Gram and summed forms (doubled to cover the rounding of M_i and U_i
-themselves, whose terms are all positive). The inflation is tiny for ordinary inputs
-(relative γ·(M_i/‖g_i‖)², ~1e-12) and only bites under cancellation, where it caps the
-weight of an example at C / (sqrt(γ_G)·M_i): a cancelling example is never amplified.
+Sums of squares (‖ĝ_i‖², ‖a_it‖²) have positive terms only: relative error ≈ 1e-6, bounded
+above in squared_sum (a float32 overflow gives inf, and the example is dropped, not under-
+clipped). The margins are tiny for ordinary inputs — relative γ_{T+1}·M_i/‖g_i‖, about
+T·6e-8·√T in float32 (≈ 1e-5 for T = 64) — and only bite under cancellation, where they
+cap the example's weight. Outside these bounds: materialized per-example gradients from a
+TensorFlow kernel (grouped/depthwise conv route, LayerNormalization, the per-layer and
+vectorized fallbacks) are clipped by the norm of exactly the vector released, which bounds
+the release but not the kernel's own distance to the exact gradient.
 """
 
 from __future__ import annotations
@@ -56,21 +63,42 @@ def gamma(n, dtype=tf.float64) -> tf.Tensor:
 
 
 def certified_norm(squared_estimate: tf.Tensor, cancellation_scale: tf.Tensor, gram_terms, summed_terms,
-                   squared_terms=0, summed_dtype=tf.float64) -> tf.Tensor:
-    """U = sqrt(max(Ñ², 0)·(1 + γ_S) + γ_G M²) + γ_R M, an upper bound on the exact norm and
-    on the norm of the sum that is released. ``gram_terms``: the n of γ_G (0 when Ñ² is a
-    float64 sum of ``squared_terms`` squares of the released values themselves, whose
-    relative error γ_S the factor covers); ``summed_terms``: the n of γ_R, for sums in
-    ``summed_dtype``."""
+                   summed_dtype=tf.float64) -> tf.Tensor:
+    """U = sqrt(max(Ñ², 0) + γ_G M²) + γ_R M, an upper bound on the exact norm and on the
+    norm of the sum that is released. ``gram_terms``: the n of γ_G (0 when Ñ² is already
+    an upper bound, squared_sum of the released values themselves); ``summed_terms``: the
+    n of γ_R, for sums in ``summed_dtype``."""
     m = cancellation_scale
-    squared = tf.maximum(squared_estimate, 0.0) * (1.0 + gamma(squared_terms))
     gram_slack = tf.math.multiply_no_nan(gamma(gram_terms), tf.square(m))  # 0 (not NaN) when M = 0
-    return tf.sqrt(squared + gram_slack) + tf.math.multiply_no_nan(gamma(summed_terms, summed_dtype), m)
+    return tf.sqrt(tf.maximum(squared_estimate, 0.0) + gram_slack) + tf.math.multiply_no_nan(
+        gamma(summed_terms, summed_dtype), m)
+
+
+_CHUNK = 16  # float32 partial sums of 16 squares: relative error ≤ γ_16 ≈ 1e-6
+
+
+def squared_sum(tensor: tf.Tensor) -> tf.Tensor:
+    """An upper bound on Σ x² over the last axis, in float64. All terms are positive, so the
+    only error is relative: float32 tensors are summed in chunks of 16 in float32 (≤ γ_16),
+    the chunk sums in float64 (≤ γ_n of float64), and the result is raised by both. A float32
+    chunk beyond 3.4e38 gives inf: that example is then dropped (clip factor 0), never
+    clipped too weakly."""
+    if tensor.dtype == tf.float64:
+        n = tf.shape(tensor)[-1]
+        return tf.reduce_sum(tf.square(tensor), axis=-1) * (1.0 + gamma(n + 1))
+    n = tensor.shape[-1]
+    if n is None or n % _CHUNK:
+        pad = tf.math.floormod(-tf.shape(tensor)[-1], _CHUNK)
+        tensor = tf.pad(tensor, tf.concat([tf.zeros([tf.rank(tensor) - 1, 2], tf.int32), [[0, pad]]], axis=0))
+    chunks = tf.reshape(tensor, tf.concat([tf.shape(tensor)[:-1], [-1, _CHUNK]], axis=0))
+    partial = tf.cast(tf.reduce_sum(tf.square(chunks), axis=-1), tf.float64)
+    total = tf.reduce_sum(partial, axis=-1)
+    return total * (1.0 + gamma(_CHUNK, tensor.dtype)) * (1.0 + gamma(tf.shape(partial)[-1]))
 
 
 def row_norms(tensor: tf.Tensor) -> tf.Tensor:
-    """‖x_t‖ over the last axis, float64 (float32 inputs: the squares are exact)."""
-    return tf.sqrt(tf.reduce_sum(tf.square(tf.cast(tensor, tf.float64)), axis=-1))
+    """Upper bounds on ‖x_t‖ over the last axis, in float64 (see squared_sum)."""
+    return tf.sqrt(squared_sum(tensor)) * (1.0 + 2.0 ** -50)
 
 
 def round_down_to_float32(values: tf.Tensor) -> tf.Tensor:
