@@ -56,19 +56,24 @@ class DPFitting:
         (amplification by sampling assumes the batches are unknown) and is never saved.
         """
         self._require_dp_compiled()
-        for unsupported in ("shuffle", "class_weight", "sample_weight"):
-            if kwargs.get(unsupported) not in (None, True) or (unsupported != "shuffle" and unsupported in kwargs):
-                raise ValueError(f"`{unsupported}` is not supported by DP fit (Poisson sampling replaces it).")
+        if kwargs.get("shuffle") not in (None, True):
+            raise ValueError("`shuffle` is not supported by DP fit (Poisson sampling replaces it).")
+        sample_weight, class_weight = kwargs.pop("sample_weight", None), kwargs.pop("class_weight", None)
         kwargs.pop("shuffle", None)
         callbacks = list(callbacks or [])
         if isinstance(x, tf.data.Dataset) and is_batched_dataset(x, self):
             self._refuse_multi_worker("a batched dataset")
+            self._set_example_weights(sample_weight, class_weight, where="dataset")
             return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
                                            steps_per_epoch, **kwargs)
         x, y = as_arrays(x, y)
         if validation_split:
             (x, y), validation_data = _split_tail(x, y, validation_split)
+            if sample_weight is not None:  # the tail's weights go with the validation rows
+                weights = np.asarray(sample_weight)
+                sample_weight, validation_data = weights[:num_rows(x)], (*validation_data, weights[num_rows(x):])
         num_examples = num_rows(x)
+        self._set_example_weights(sample_weight, class_weight, num_examples)
         check_rows_independent(self, self._dp_loss, x, y)
         if batch_size is None:
             raise ValueError("`batch_size` (the expected Poisson batch size L) is required for DP fit.")
@@ -117,8 +122,7 @@ class DPFitting:
         size of the first batch of this phase, then fixed) — a public constant, never each
         batch's own size."""
         self._require_dp_compiled()
-        if sample_weight is not None or class_weight is not None:
-            raise ValueError("`sample_weight`/`class_weight` are not supported by DP training in tf_dp.")
+        self._set_example_weights(sample_weight, class_weight, where="batch")
         if self.distribute_strategy.num_replicas_in_sync > 1:
             # Keras hands every replica the whole explicit batch: each example would be
             # clipped and summed R times (sensitivity R·C). Datasets are split correctly.
@@ -133,7 +137,7 @@ class DPFitting:
         if not self.built:
             self._prebuild(x, y)
         self._build_optimizer()
-        return super().train_on_batch(x, y, return_dict=return_dict)
+        return super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
     def _poisson_stream(self, x, y, num_examples, batch_size, physical_batch_size, sampling_seed, steps_taken):
         """The Poisson batches ``fit`` trains on: the batch of step t at step t, one global
@@ -161,8 +165,10 @@ class DPFitting:
             )
 
     def _per_example_extras(self, num_examples: int) -> dict:
-        """Per-example arrays the Poisson stream carries besides x and y (none for DP-SGD)."""
-        return {}
+        """Per-example arrays the Poisson stream carries besides x and y (DP-SGD: the sample
+        weights, if any; padding rows get weight 0)."""
+        weights = getattr(self, "_fit_sample_weight", None)
+        return {} if weights is None else {"sample_weight": weights}
 
     def _require_dp_compiled(self):
         if not isinstance(getattr(self, "optimizer", None), DPOptimizer) or self._dp_loss is None:

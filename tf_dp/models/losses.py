@@ -10,12 +10,25 @@ released sum by more than C. Both are refused:
 * statically: the result must have rank ≥ 1 and one value per row of y_pred;
 * by a probe, on first use for each shape: on a small synthetic batch, changing row k of
   y_pred (or of y_true) must leave ℓ_j, j ≠ k, bit-for-bit unchanged.
+
+Weights are part of the example (they travel with its row, so the sensitivity stays C):
+
+* ``sample_weight`` w_i (shape [P]) or per element w_it (shape [P, T], e.g. a keras-hub
+  preprocessor's padding mask for LM fine-tuning) and ``class_weight`` (w_i = cw[y_i]):
+  ℓ_i = Σ_t w_it ℓ_it / T — Keras' "sum_over_batch_size" reduction taken per example, so
+  Σ_i ℓ_i / P is exactly the batch loss Keras would compute. A loss built with
+  ``reduction="mean_with_sample_weight"`` gives ℓ_i = Σ_t w_it ℓ_it / Σ_t w_it instead (0
+  when Σ_t w_it = 0): the denominator is example i's own weight total, a function of row i
+  alone — never a total over the batch, which would make ℓ_i depend on other examples.
+* several outputs with a list/dict of losses and ``loss_weights``: ℓ_i = Σ_o λ_o ℓ_o,i,
+  each ℓ_o,i reduced per example as above (Keras' ``CompileLoss`` sums the outputs' batch
+  losses with the same weights).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import keras
 import numpy as np
@@ -27,39 +40,130 @@ FIX = ("Fix: return one loss value per example, computed from that example's row
        "tf_dp averages any further axes per example.")
 
 
-def per_example_loss(loss) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+class WeightedTargets(NamedTuple):
+    """Targets packed with their sample weights (one row per example), as the DP train step
+    hands them to the per-example loss: the weights are sliced with the rows of y."""
+
+    targets: object
+    sample_weight: object
+
+
+def unpack_targets(y):
+    """(targets, sample_weight or None) of y, packed or not."""
+    if isinstance(y, WeightedTargets):
+        return y.targets, y.sample_weight
+    return y, None
+
+
+def per_example_loss(loss, loss_weights=None, output_names: Optional[Sequence[str]] = None
+                     ) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
     """Returns f(y_true, y_pred) -> [P] with ℓ_i averaged over any non-batch axes, as
-    Keras' "sum_over_batch_size" reduction would weight them. Refuses (ValueError naming
-    `loss`) a loss without one value per example or whose ℓ_i depends on other rows."""
-    unreduced = _unreduced(loss)
-    probed = set()
-
-    def losses(y_true, y_pred):
-        values = _per_row(unreduced, y_true, y_pred)
-        signature = _signature(y_true, y_pred)
-        if signature not in probed:
-            with tf.init_scope():  # eager, also while a train step is being traced
-                check_loss_rows_independent(unreduced, y_true, y_pred)
-            probed.add(signature)
-        return values
-
-    return losses
-
-
-def _unreduced(loss) -> Callable:
+    Keras' "sum_over_batch_size" reduction would weight them, weighted by the sample
+    weights when y_true is a ``WeightedTargets``, and summed over the outputs with
+    ``loss_weights`` for a list/dict of losses (module docstring). Refuses (ValueError
+    naming `loss`) a loss without one value per example or whose ℓ_i depends on other rows."""
     if loss is None:
         raise ValueError("`loss` is required: DP training clips the gradient of each example's loss.")
-    if isinstance(loss, (list, tuple, dict)):
-        raise ValueError(
-            "tf_dp supports one loss for a single-output model; got a structure of losses. "
-            "Combine the outputs' losses into one keras.losses.Loss."
-        )
-    resolved = keras.losses.get(loss)
-    if resolved is None:
-        raise ValueError(f"Unknown `loss`: {loss!r}.")
-    unreduced = resolved.call if isinstance(resolved, keras.losses.Loss) else resolved
-    _require_two_argument_call(unreduced)
-    return unreduced
+    if not isinstance(loss, (list, tuple, dict)) and loss_weights is None:
+        return _SingleOutputLoss(loss)
+    return _MultiOutputLoss(loss, loss_weights, output_names)
+
+
+class _SingleOutputLoss:
+    """ℓ_i of one output: the loss's values reduced per example (weighted if y is packed)."""
+
+    def __init__(self, loss):
+        resolved = keras.losses.get(loss)
+        if resolved is None:
+            raise ValueError(f"Unknown `loss`: {loss!r}.")
+        self.unreduced = resolved.call if isinstance(resolved, keras.losses.Loss) else resolved
+        _require_two_argument_call(self.unreduced)
+        self.by_weight_total = getattr(resolved, "reduction", None) == "mean_with_sample_weight"
+        self._probed = set()
+
+    def __call__(self, y_true, y_pred):
+        y_true, sample_weight = unpack_targets(y_true)
+        values = _per_row(self.unreduced, y_true, y_pred, sample_weight, self.by_weight_total)
+        signature = _signature(y_true, y_pred)
+        if signature not in self._probed:
+            with tf.init_scope():  # eager, also while a train step is being traced
+                check_loss_rows_independent(self.unreduced, y_true, y_pred)
+            self._probed.add(signature)
+        return values
+
+
+class _MultiOutputLoss:
+    """ℓ_i = Σ_o λ_o ℓ_o,i over the model's outputs, matched to losses, targets, sample
+    weights and ``loss_weights`` by output name (dicts) or position (lists), as Keras'
+    CompileLoss does; a single loss applies to every output."""
+
+    def __init__(self, loss, loss_weights, output_names):
+        self.loss, self.loss_weights = loss, loss_weights
+        self.output_names = list(output_names) if output_names else None
+        for leaf in (loss.values() if isinstance(loss, dict) else loss if isinstance(loss, (list, tuple)) else [loss]):
+            if leaf is not None and keras.losses.get(leaf) is None:
+                raise ValueError(f"Unknown `loss`: {leaf!r}.")
+        self._per_output: dict = {}
+
+    def __call__(self, y_true, y_pred):
+        y_true, sample_weight = unpack_targets(y_true)
+        names, predictions = self._outputs(y_pred)
+        for structure, what in ((self.loss, "loss"), (self.loss_weights, "loss_weights")):
+            _require_known_keys(structure, names, what)
+        total = None
+        for index, (name, prediction) in enumerate(zip(names, predictions)):
+            loss = _pick(self.loss, name, index, len(names), "loss", broadcast=True)
+            if loss is None:
+                continue
+            weight = _pick(self.loss_weights, name, index, len(names), "loss_weights", broadcast=True)
+            weight = 1.0 if weight is None else float(weight)
+            targets = _pick(y_true, name, index, len(names), "y", broadcast=False)
+            weights = _pick(sample_weight, name, index, len(names), "sample_weight", broadcast=True)
+            if name not in self._per_output:
+                self._per_output[name] = _SingleOutputLoss(loss)
+            packed = targets if weights is None else WeightedTargets(targets, weights)
+            term = self._per_output[name](packed, prediction) * tf.cast(weight, prediction.dtype)
+            term = tf.cast(term, tf.float32) if total is not None and total.dtype != term.dtype else term
+            total = term if total is None else tf.cast(total, term.dtype) + term
+        if total is None:
+            raise ValueError("`loss` assigns no loss to any of the model's outputs.")
+        return total
+
+    def _outputs(self, y_pred):
+        if isinstance(y_pred, dict):
+            names = list(self.output_names) if self.output_names and set(self.output_names) == set(y_pred) \
+                else list(y_pred)
+            return names, [y_pred[name] for name in names]
+        predictions = list(y_pred) if isinstance(y_pred, (list, tuple)) else [y_pred]
+        names = self.output_names if self.output_names and len(self.output_names) == len(predictions) \
+            else [str(i) for i in range(len(predictions))]
+        return list(names), predictions
+
+
+def _pick(structure, name: str, index: int, count: int, what: str, broadcast: bool):
+    """The part of ``structure`` for output (name, index): by key, by position, or the
+    whole of a non-nested value (a single loss, weight or array for every output)."""
+    if structure is None:
+        return None
+    if isinstance(structure, dict):
+        if name in structure:
+            return structure[name]
+        if not broadcast:
+            raise ValueError(f"`{what}` has no entry for output {name!r} (keys: {sorted(structure)}).")
+        return None
+    if isinstance(structure, (list, tuple)):
+        if len(structure) != count:
+            raise ValueError(f"`{what}` has {len(structure)} entries for a model with {count} outputs.")
+        return structure[index]
+    if not broadcast and count > 1:
+        raise ValueError(f"`{what}` must be a list or dict with one entry per output for a model with {count} outputs.")
+    return structure
+
+
+def _require_known_keys(structure, names, what: str) -> None:
+    if isinstance(structure, dict) and set(structure) - set(names):
+        raise ValueError(f"`{what}` has keys {sorted(set(structure) - set(names))} that name no output of the model "
+                         f"(outputs: {list(names)}).")
 
 
 def _require_two_argument_call(function) -> None:
@@ -78,14 +182,36 @@ def _require_two_argument_call(function) -> None:
         )
 
 
-def _per_row(unreduced, y_true, y_pred) -> tf.Tensor:
-    """ℓ_i, i < P: the loss's values, averaged per example over its non-batch axes."""
+def _per_row(unreduced, y_true, y_pred, sample_weight=None, by_weight_total: bool = False) -> tf.Tensor:
+    """ℓ_i, i < P: the loss's values averaged per example over its non-batch axes, or with
+    sample weights w (one per example, or one per value of the loss): Σ_t w_it ℓ_it / T, or
+    Σ_t w_it ℓ_it / Σ_t w_it (``by_weight_total``; 0 where an example's weights sum to 0).
+    Both denominators belong to example i alone."""
     y_true = tf.cast(y_true, y_pred.dtype)
     values = tf.convert_to_tensor(unreduced(y_true, y_pred))
     _require_one_value_per_row(values, y_pred)
-    if values.shape.rank is None or values.shape.rank > 1:
-        values = tf.reduce_mean(tf.reshape(values, [tf.shape(values)[0], -1]), axis=1)
-    return values
+    if sample_weight is None:
+        if values.shape.rank is None or values.shape.rank > 1:
+            values = tf.reduce_mean(tf.reshape(values, [tf.shape(values)[0], -1]), axis=1)
+        return values
+    rows = tf.shape(values)[0]
+    flat = tf.reshape(values, [rows, -1])
+    weights = tf.reshape(tf.cast(sample_weight, values.dtype), [rows, -1])
+    _require_weights_match(weights, flat, sample_weight, values)
+    weights = weights * tf.ones_like(flat)  # one weight per example: the same for each of its values
+    weighted = tf.reduce_sum(flat * weights, axis=1)
+    if by_weight_total:
+        return tf.math.divide_no_nan(weighted, tf.reduce_sum(weights, axis=1))
+    return weighted / tf.cast(tf.shape(flat)[1], values.dtype)
+
+
+def _require_weights_match(weights, flat, sample_weight, values) -> None:
+    per_row, count = weights.shape[1], flat.shape[1]
+    if per_row is not None and count is not None and per_row not in (1, count):
+        raise ValueError(
+            f"`sample_weight` of shape {list(tf.convert_to_tensor(sample_weight).shape)} does not fit a loss of shape "
+            f"{values.shape.as_list()}: give one weight per example ([batch]) or one per loss value "
+            f"({values.shape.as_list()}, e.g. a per-token padding mask for a sequence loss).")
 
 
 def _require_one_value_per_row(values: tf.Tensor, y_pred: tf.Tensor) -> None:

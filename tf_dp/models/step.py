@@ -8,11 +8,15 @@ ledger records the step with the σ it used.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.models.data import is_poisson_batch
+from tf_dp.models.losses import WeightedTargets, unpack_targets
 from tf_dp.optimizers import DPOptimizer
 
 
@@ -55,17 +59,61 @@ class DPTrainStep:
         """(x, y, mask, L) with x, y, mask shaped [chunks, P, ...]. L of an explicit batch is
         the phase's declared batch size, never the batch's realized size (ALGORITHMS §7)."""
         if is_poisson_batch(data):
-            return data["x"], data["y"], data["mask"], data["expected_batch_size"][0]
+            y = self._weighted_targets(data["y"], data.get("sample_weight"))
+            return data["x"], y, data["mask"], data["expected_batch_size"][0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if sample_weight is not None:
-            raise ValueError("`sample_weight`/`class_weight` are not supported by DP training in tf_dp.")
         if y is None:
             raise ValueError("DP training needs targets `y` to compute each example's loss.")
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         add_chunk_axis = lambda t: tf.expand_dims(t, 0)  # noqa: E731
         mask = tf.ones([1, batch], tf.float32)
-        return (tf.nest.map_structure(add_chunk_axis, x), tf.nest.map_structure(add_chunk_axis, y), mask,
-                self._declared_batch_size.read_value())
+        if sample_weight is not None:
+            sample_weight = tf.nest.map_structure(add_chunk_axis, sample_weight)
+        y = self._weighted_targets(tf.nest.map_structure(add_chunk_axis, y), sample_weight)
+        return tf.nest.map_structure(add_chunk_axis, x), y, mask, self._declared_batch_size.read_value()
+
+    # ------------------------------------------------------- example weights
+    def _set_example_weights(self, sample_weight=None, class_weight: Optional[dict] = None,
+                             num_examples: Optional[int] = None, where: str = "fit") -> None:
+        """Called by ``fit``/``train_on_batch`` before training: ``sample_weight`` (fit: an
+        array per example [N] or per loss value [N, T], carried with each Poisson batch as a
+        per-example extra; train_on_batch: Keras passes it with the batch; a batched dataset:
+        its elements' third entry) and ``class_weight`` ({class: weight}, looked up from each
+        example's label inside the step) for this call. Weights are part of the example
+        (ℓ_i = weighted loss of example i, see tf_dp.models.losses): the sensitivity stays C."""
+        if where == "dataset" and sample_weight is not None:
+            raise ValueError("`sample_weight` cannot be passed with a dataset: yield (x, y, sample_weight) elements.")
+        if (sample_weight is not None or class_weight is not None) and type(self).train_step is not DPTrainStep.train_step:
+            raise ValueError(f"`sample_weight`/`class_weight` are supported by DPModel's own train step; "
+                             f"{type(self).__name__} overrides train_step.")
+        if sample_weight is not None and class_weight is not None:
+            raise ValueError("Pass either `sample_weight` or `class_weight`, not both (as Keras): fold the class "
+                             "weights into the sample weights.")
+        if sample_weight is not None and where == "fit":
+            sample_weight = tf.nest.map_structure(lambda w: np.asarray(w, np.float32), sample_weight)
+            for w in tf.nest.flatten(sample_weight):
+                if w.ndim == 0 or w.shape[0] != num_examples:
+                    raise ValueError(f"`sample_weight` needs one row per training example ({num_examples}), "
+                                     f"got shape {list(w.shape)}.")
+            if not isinstance(sample_weight, np.ndarray):
+                raise ValueError("`fit` takes one `sample_weight` array (per example or per loss value) for Poisson "
+                                 "sampling; per-output sample weights are supported by train_on_batch and batched "
+                                 "datasets.")
+        self._fit_sample_weight = sample_weight if where == "fit" else None  # fit's Poisson extra
+        table = None if class_weight is None else _class_weight_table(class_weight)
+        previous = getattr(self, "_class_weight_table", None)
+        if (table is None) != (previous is None) or (table is not None and not np.array_equal(table, previous)):
+            self.train_function = None  # the table is a constant of the traced step
+        self._class_weight_table = table
+
+    def _weighted_targets(self, y, sample_weight):
+        """y, or y packed with the sample weights of its rows (class weights looked up from the labels)."""
+        table = getattr(self, "_class_weight_table", None)
+        if table is not None:
+            if sample_weight is not None:
+                raise ValueError("Pass either `sample_weight` or `class_weight`, not both.")
+            sample_weight = class_weights_of(y, table)
+        return y if sample_weight is None else WeightedTargets(y, sample_weight)
 
     def _clipped_sum_over_chunks(self, x, y, mask, clip, points):
         """Σ over the batch's chunks of Σ_i c_i g_i; also counts non-finite examples."""
@@ -101,7 +149,7 @@ class DPTrainStep:
         real_losses = tf.where(tf.cast(mask, tf.bool), losses, 0.0)  # padding rows may give NaN losses
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(real_losses), real)
         self._loss_tracker.update_state(mean_loss + self._regularization_loss(), sample_weight=real)
-        self.compute_metrics(x, self._targets(y), result.y_pred, sample_weight=mask)
+        self.compute_metrics(x, self._targets(y), result.y_pred, sample_weight=self._metric_weights(y, mask))
 
     def _chunk_loss(self):
         """The per-example loss whose gradients are clipped (subclasses add terms)."""
@@ -109,7 +157,20 @@ class DPTrainStep:
 
     def _targets(self, y):
         """The labels inside ``y`` (subclasses may pack more per-example columns into it)."""
-        return y
+        return unpack_targets(y)[0]
+
+    def _metric_weights(self, y, mask):
+        """Metric weights: the 0/1 padding mask times the examples' sample weights, if any."""
+        _, sample_weight = unpack_targets(y)
+        if sample_weight is None:
+            return mask
+
+        def times_mask(weight):
+            weight = tf.cast(weight, tf.float32)
+            rank = weight.shape.rank or 1
+            return tf.reshape(mask, tf.concat([tf.shape(mask), tf.ones([rank - 1], tf.int32)], 0)) * weight
+
+        return tf.nest.map_structure(times_mask, sample_weight)
 
     def _regularization_loss(self):
         terms = [v.regularizer(v) for v in self.trainable_variables if getattr(v, "regularizer", None)]
@@ -122,6 +183,42 @@ class DPTrainStep:
         with tf.GradientTape() as tape:
             penalty = self._regularization_loss()
         return tape.gradient(penalty, self.trainable_variables)
+
+
+def _class_weight_table(class_weight: dict) -> np.ndarray:
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise TypeError(f"`class_weight` must be a non-empty dict {{class index: weight}}, got {class_weight!r}.")
+    classes = [int(k) for k in class_weight]
+    if min(classes) < 0:
+        raise ValueError(f"`class_weight` keys must be class indices >= 0, got {sorted(classes)}.")
+    table = np.ones(max(classes) + 1, np.float32)  # classes not listed weigh 1, as in Keras
+    for key, weight in class_weight.items():
+        table[int(key)] = float(weight)
+    return table
+
+
+def class_weights_of(y, table: np.ndarray) -> tf.Tensor:
+    """w_i = class_weight[label of example i] for y shaped [chunks, P] (class ids), [chunks,
+    P, 1] or [chunks, P, K] (one-hot / probabilities: the argmax, as Keras); classes beyond
+    the table weigh 1. A function of example i's own label only."""
+    if tf.nest.is_nested(y):
+        raise ValueError("`class_weight` is supported for models with one output (as in Keras).")
+    rank = y.shape.rank
+    if rank == 3 and y.shape[-1] == 1:
+        labels = y[..., 0]
+    elif rank == 3:
+        labels = tf.argmax(y, axis=-1)
+    elif rank == 2:
+        labels = y
+    else:
+        raise ValueError(f"`class_weight` needs one label per example (y of shape [batch], [batch, 1] or one-hot "
+                         f"[batch, classes]); got y with {rank - 1 if rank else 'unknown'} dimensions per batch. "
+                         "For per-token weights pass `sample_weight`.")
+    labels = tf.cast(tf.round(tf.cast(labels, tf.float32)), tf.int32) if labels.dtype.is_floating \
+        else tf.cast(labels, tf.int32)
+    inside = (labels >= 0) & (labels < len(table))
+    weights = tf.gather(tf.constant(table), tf.clip_by_value(labels, 0, len(table) - 1))
+    return tf.where(inside, weights, 1.0)
 
 
 def for_multi_worker_reduce(logs: dict) -> dict:
