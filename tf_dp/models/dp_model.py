@@ -102,7 +102,7 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
             "engine": _checks.one_of("clipping_engine", clipping_engine, ENGINES),
             "private_logs": _checks.boolean("private_logs", private_logs),
         }
-        self._dp_loss = per_example_loss(loss)
+        self._dp_loss = per_example_loss(loss, kwargs.get("loss_weights"), _output_names(self))
         if jit_compile == "auto":
             jit_compile = _accelerator_present() and not optimizer.secure_mode
         if jit_compile and optimizer.secure_mode:
@@ -112,6 +112,14 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
         # Poisson chunks is such a weight, so every metric is made a weighted one.
         weighted = list(tf.nest.flatten(metrics or [])) + list(tf.nest.flatten(kwargs.pop("weighted_metrics", None) or []))
         super().compile(optimizer=optimizer, loss=loss, weighted_metrics=weighted or None, jit_compile=jit_compile, **kwargs)
+
+
+def _output_names(model):
+    """The output names of a functional model (None if it has none yet): a dict of losses is keyed by them."""
+    try:
+        return list(model.output_names) if getattr(model, "outputs", None) else None
+    except (AttributeError, ValueError):
+        return None
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
