@@ -15,6 +15,7 @@ alone (RandomFlip, RandomRotation, RandomContrast, ...) are fine. Layers not lis
 from __future__ import annotations
 
 import keras
+from keras.src.models.functional import Functional
 
 _PER_EXAMPLE_AUGMENTATION = "augment each example alone (e.g. RandomFlip, RandomRotation, RandomContrast)"
 
@@ -22,7 +23,7 @@ _PER_EXAMPLE_AUGMENTATION = "augment each example alone (e.g. RandomFlip, Random
 MIXING_LAYERS = (
     (keras.layers.BatchNormalization, lambda layer: True,
      "mixes examples through batch statistics: replace it by keras.layers.GroupNormalization or "
-     "LayerNormalization (tf_dp.fix does it)."),
+     "LayerNormalization"),
     (keras.layers.MixUp, lambda layer: True,
      f"blends each example with another example of the batch: remove it; {_PER_EXAMPLE_AUGMENTATION}."),
     (keras.layers.CutMix, lambda layer: True,
@@ -40,10 +41,14 @@ def validate(model) -> list[str]:
     """One line per layer that breaks per-example privacy, with the fix; [] if none.
     Every nested layer and model is inspected (its enclosing layers are named)."""
     problems = []
+    unreachable = {id(bn): owner_path for bn, _, _, owner_path in _unreachable_batch_norms(model)} \
+        if isinstance(model, (Functional, keras.Sequential)) else None
     for layer, path in _nested_layers(model):
         where = f"{layer.name}{f' in {path}' if path else ''}"
         for kind, mixes, fix_hint in MIXING_LAYERS:
             if isinstance(layer, kind) and mixes(layer):
+                if kind is keras.layers.BatchNormalization:
+                    fix_hint += _batch_norm_fix_hint(layer, unreachable)
                 problems.append(f"{where} ({type(layer).__name__}) {fix_hint}")
         if getattr(layer, "stateful", False):
             problems.append(
@@ -56,6 +61,15 @@ def validate(model) -> list[str]:
                 "neither clipped nor noised: remove it (weight regularizers are fine)."
             )
     return problems
+
+
+def _batch_norm_fix_hint(layer, unreachable) -> str:
+    if unreachable is None:
+        return " in the model's code (tf_dp.fix rewrites functional and Sequential models only)."
+    if id(layer) in unreachable:
+        return (f" inside the custom layer {unreachable[id(layer)]}, whose code tf_dp.fix cannot rewrite: build "
+                "that layer with GroupNormalization/LayerNormalization.")
+    return " (tf_dp.fix does it)."
 
 
 def _nested_layers(model, path: str = "", seen=None):
@@ -91,27 +105,63 @@ def _group_count(channels: int, at_most: int = 32) -> int:
 
 def fix(model):
     """A copy of a functional/Sequential model with every BatchNormalization replaced by
-    GroupNormalization (groups = the largest divisor of the channels ≤ 32, as Opacus does).
-    The replacements are freshly initialised; other layers keep their weights."""
-    replaced = []
+    GroupNormalization (groups = the largest divisor of the channels ≤ 32, as Opacus does),
+    at any depth of nested functional/Sequential models (e.g. a keras-hub ResNet or
+    EfficientNet backbone inside inputs → backbone → head; nested models come back as
+    plain functional models with the same layers). The replacements are freshly
+    initialised; every other layer is a copy with the original's weights.
+
+    BatchNormalization inside a custom layer class (whose ``call`` is Python code, e.g.
+    keras-hub MobileNet's blocks) cannot be swapped by rewriting the graph: ``fix`` then
+    raises a ValueError naming each such layer's path and what to do instead."""
+    if not isinstance(model, (Functional, keras.Sequential)):
+        raise TypeError(f"tf_dp.fix needs a functional or Sequential model; {getattr(model, 'name', model)!r} is a "
+                        f"{type(model).__name__}. Replace its BatchNormalization layers in its own code.")
+    unreachable = list(_unreachable_batch_norms(model))
+    if unreachable:
+        raise ValueError(
+            "tf_dp.fix cannot replace BatchNormalization inside custom layers: their call() is Python code, not a "
+            "graph fix can rewrite:\n  - " + "\n  - ".join(
+                f"{path} ({type(bn).__name__}) inside {owner_path} ({type(owner).__name__})"
+                for bn, path, owner, owner_path in unreachable)
+            + "\nFix: build those layers with keras.layers.GroupNormalization or LayerNormalization instead (a "
+              "subclass of the custom layer whose __init__ creates them, or a model variant without batch "
+              "normalization); fix rewrites BatchNormalization only where it is a node of a functional or "
+              "Sequential model."
+        )
+    replaced, copies = [], []
 
     def clone(layer):
         if isinstance(layer, keras.layers.BatchNormalization):
-            channels = int(layer.input.shape[layer.axis if isinstance(layer.axis, int) else layer.axis[0]])
+            axis = layer.axis if isinstance(layer.axis, int) else layer.axis[0]
+            channels = int(layer.moving_mean.shape[0]) if layer.built else int(layer.input.shape[axis])
             replaced.append(layer.name)
-            return GroupNormalizationForBatchNorm(groups=_group_count(channels), axis=-1, name=f"{layer.name}_group_norm")
-        return layer.__class__.from_config(layer.get_config())
+            return GroupNormalizationForBatchNorm(groups=_group_count(channels), axis=axis,
+                                                  name=f"{layer.name}_group_norm")
+        new = layer.__class__.from_config(layer.get_config())
+        copies.append((layer, new))
+        return new
 
-    copy = keras.models.clone_model(model, clone_function=clone)
-    for original, new in zip(model.layers, copy.layers):
-        if not isinstance(original, keras.layers.BatchNormalization) and original.weights:
+    copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    for original, new in copies:
+        if original.weights:
             new.set_weights(original.get_weights())
     for name in replaced:
         print(f"tf_dp.fix: replaced BatchNormalization {name} by GroupNormalization.")
-    remaining = [p for p in validate(copy)]
+    remaining = validate(copy)
     if remaining:
-        raise ValueError("tf_dp.fix cannot repair:\n  - " + "\n  - ".join(remaining))
+        raise ValueError("tf_dp.fix replaces BatchNormalization only; it cannot repair:\n  - " + "\n  - ".join(remaining))
     return copy
 
 
-
+def _unreachable_batch_norms(model, path: str = ""):
+    """(BatchNormalization, its path, the custom layer holding it, that layer's path) for
+    every BatchNormalization below a layer that is not a functional/Sequential model."""
+    for layer in model._flatten_layers(include_self=False, recursive=False):
+        where = f"{path}/{layer.name}" if path else layer.name
+        if isinstance(layer, (Functional, keras.Sequential)):
+            yield from _unreachable_batch_norms(layer, where)
+        elif not isinstance(layer, keras.layers.BatchNormalization):
+            for inner, inner_path in _nested_layers(layer, where):
+                if isinstance(inner, keras.layers.BatchNormalization):
+                    yield inner, f"{inner_path}/{inner.name}", layer, where
