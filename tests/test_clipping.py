@@ -213,6 +213,21 @@ def test_conv_rules_under_xla_match_graph_mode(monkeypatch):
     assert True in routes and False in routes
 
 
+def test_embedding_and_attention_rules_under_xla_match_graph_mode():
+    # The Embedding rule groups repeated ids without tf.unique, so it compiles under XLA.
+    for build in (embedding_model, attention_model):
+        model, x = build()
+        y = np.random.randint(0, 3, BATCH).astype("int32")
+
+        def clipped(x, y):
+            result = clipped_gradient_sum(model, sparse_ce, x, y, tf.ones(BATCH), 0.5)
+            return result.squared_norms, result.clipped_sums
+
+        graph, xla = tf.function(clipped)(x, y), tf.function(clipped, jit_compile=True)(x, y)
+        for a, b in zip(tf.nest.flatten(graph), tf.nest.flatten(xla)):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
+
+
 def conv1d_model():
     inputs = keras.Input((10, 3))
     hidden = keras.layers.Conv1D(4, 3, strides=2, padding="same", activation="tanh")(inputs)

@@ -34,19 +34,23 @@ class EmbeddingContribution(Contribution):
         self.ids, self.vocabulary_size = ids, vocabulary_size  # [P, T]
         s = tf.convert_to_tensor(output_grads)
         self.s = s if s.dtype == tf.float64 else tf.cast(s, tf.float32)  # [P, T, k]; float32 under bfloat16 too
-        examples, steps = tf.shape(ids, out_type=tf.int64)[0], tf.shape(ids, out_type=tf.int64)[1]
-        keys = tf.reshape(tf.range(examples)[:, None] * tf.cast(vocabulary_size, tf.int64) + ids, [-1])
-        unique_keys, self.slot = tf.unique(keys)  # one slot per (example, id) pair
-        self.num_rows = tf.size(unique_keys)
+        examples, steps = tf.shape(ids, out_type=tf.int32)[0], tf.shape(ids, out_type=tf.int32)[1]
+        # Row of position t: the first position t' of example i with the same id (static
+        # sizes, so XLA compiles it; [P, T, T] like the Gram form's id mask).
+        positions = tf.range(steps)
+        same = tf.equal(ids[:, :, None], ids[:, None, :])
+        first = tf.reduce_min(tf.where(same, positions[None, None, :], steps), axis=2)  # [P, T]
+        self.slot = tf.reshape(tf.range(examples)[:, None] * steps + first, [-1])
+        self.num_rows = examples * steps  # rows of positions that repeat an earlier id stay zero
         self.rows = tf.math.unsorted_segment_sum(tf.reshape(self.s, [-1, tf.shape(self.s)[-1]]), self.slot,
                                                  self.num_rows)
-        self.row_example = unique_keys // vocabulary_size
-        self.row_id = unique_keys % vocabulary_size
+        self.row_example = tf.repeat(tf.range(examples), steps)
+        self.row_id = tf.reshape(ids, [-1])
         self.examples, self.steps = examples, steps
 
     def squared_norms(self):
         squares = tf.math.unsorted_segment_sum(rounding.squared_sum(self.rows), self.row_example, self.examples)
-        count = tf.math.unsorted_segment_sum(tf.ones_like(self.slot, tf.float64), self.slot, self.num_rows)
+        count = tf.math.unsorted_segment_sum(tf.ones_like(self.slot, tf.float64), self.slot, self.num_rows)  # n_iv
         row_scale = tf.math.unsorted_segment_sum(tf.reshape(rounding.row_norms(self.s), [-1]), self.slot,
                                                  self.num_rows)  # Σ_{t in the row} ‖s_it‖
         row_error = tf.math.multiply_no_nan(rounding.gamma(count - 1.0, self.s.dtype), row_scale)  # ≥ ‖r̂ − r‖
