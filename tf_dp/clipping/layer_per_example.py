@@ -23,8 +23,33 @@ def squared_row_norms(per_example: tf.Tensor) -> tf.Tensor:
     return rounding.squared_sum(tf.reshape(per_example, [tf.shape(per_example)[0], -1]))
 
 
-def _is_batched_tensor(value) -> bool:
-    return isinstance(value, (tf.Tensor, tf.Variable)) and value.shape.rank is not None and value.shape.rank >= 1
+def is_batched(value, examples) -> bool:
+    """Whether ``value`` carries the example axis: a tensor of rank ≥ 1 whose leading
+    dimension is not a static 1 (a [1, ...] tensor broadcast to the batch is batch-free),
+    unless the batch itself has ``examples`` = 1 statically."""
+    if not tf.is_tensor(value) or value.shape.rank is None or value.shape.rank < 1:
+        return False
+    return value.shape[0] != 1 or examples == 1
+
+
+def independent_outputs(outputs):
+    """``outputs`` with each floating-point tensor replaced by an identity copy, and the
+    flat indices of those copies.
+
+    The copies are what later layers see, so the gradient of Σ_i ℓ_i with respect to copy k
+    counts only the downstream uses of output k: a layer returning two tensors where one is
+    computed from the other (T5's (output, position_bias, None), an RNN cell's (h, [h, c]))
+    is then differentiated as VJP = Σ_k (∂out_k/∂θ)ᵀ s_k without counting a path twice.
+    ``None`` and integer outputs are passed through untapped."""
+    flat = tf.nest.flatten(outputs)
+    indices = [i for i, v in enumerate(flat) if tf.is_tensor(v) and v.dtype.is_floating]
+    for i in indices:
+        copy = tf.identity(flat[i])
+        mask = getattr(flat[i], "_keras_mask", None)
+        if mask is not None:
+            copy._keras_mask = mask
+        flat[i] = copy
+    return tf.nest.pack_sequence_as(outputs, flat), indices
 
 
 class MaterializedContribution(Contribution):
@@ -43,7 +68,10 @@ class MaterializedContribution(Contribution):
 
 
 class LayerPerExampleRule(GhostRule):
-    """Records (args, kwargs, outputs); per-example gradients by vectorized replay."""
+    """Records (args, kwargs, outputs); per-example gradients by vectorized replay, or by
+    a per-example ``tf.map_fn`` where ``vectorized_map`` cannot convert an op of the layer
+    (softmax on rank > 5, BiasAddGrad on a non-trailing axis, control flow of recurrent
+    layers)."""
 
     def __init__(self, tap):
         self._tap = tap
@@ -53,12 +81,25 @@ class LayerPerExampleRule(GhostRule):
         # (e.g. a LoRA-frozen kernel): only trainable ones enter the per-example norm.
         return [v for v in layer._trainable_variables if v.trainable]
 
+    def values(self, layer) -> list:
+        """The weight values in effect (possibly a perturbed point under a StatelessScope):
+        the replay differentiates the layer at exactly these values."""
+        return [tf.convert_to_tensor(v.value) for v in self.variables(layer)]
+
+    def accepts_call(self, layer, args, kwargs) -> bool:
+        return True
+
     def tapped_call(self, layer, original_call, recordings, *args, **kwargs):
-        # The weight values in effect (possibly a perturbed point under a StatelessScope):
-        # the replay must differentiate the layer at exactly these values.
-        values = [tf.convert_to_tensor(v.value) for v in self.variables(layer)]
-        outputs = original_call(*args, **kwargs)
-        recordings.append(Recording((args, kwargs), tf.nest.flatten(outputs), extras=(original_call, values)))
+        outputs, indices = independent_outputs(original_call(*args, **kwargs))
+        flat = tf.nest.flatten(outputs)
+        recording = Recording((args, kwargs), [flat[i] for i in indices])
+
+        def replay(*call_args, **call_kwargs):
+            replayed = tf.nest.flatten(original_call(*call_args, **call_kwargs))
+            return [replayed[i] for i in indices]
+
+        recording.replay = replay
+        recordings.append(recording)
         return outputs
 
     def contribution(self, layer, recordings, output_grads):
@@ -66,15 +107,19 @@ class LayerPerExampleRule(GhostRule):
         variables = self.variables(layer)
         total = None
         for recording, grads in zip(recordings, output_grads):
-            per_example = self._replay(recording, grads, variables)
+            per_example = self._replay(layer, recording, grads, variables)
             total = per_example if total is None else [a + b for a, b in zip(total, per_example)]
         return MaterializedContribution(total)
 
-    def _replay(self, recording: Recording, grads, variables):
-        (args, kwargs), (original_call, values) = recording.inputs, recording.extras
+    def _replay(self, layer, recording: Recording, grads, variables):
+        """[P, *shape] per-example gradients of one recorded call: for each example i, the
+        vector-Jacobian product of the call on row i with its output gradients s_i."""
+        args, kwargs = recording.call_inputs
+        values = recording.values
         grads = [tf.zeros_like(w) if g is None else g for g, w in zip(grads, recording.watched)]
+        examples = grads[0].shape[0] if grads else None
         flat_inputs = tf.nest.flatten((args, kwargs))
-        batched = [i for i, v in enumerate(flat_inputs) if _is_batched_tensor(v)]
+        batched = [i for i, v in enumerate(flat_inputs) if is_batched(v, examples)]
 
         def one_example(elems):
             example_inputs, example_grads = elems
@@ -85,8 +130,26 @@ class LayerPerExampleRule(GhostRule):
             with self._tap.paused(), tf.GradientTape() as tape:
                 tape.watch(values)
                 with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                    outputs = tf.nest.flatten(original_call(*call_args, **call_kwargs))
+                    outputs = recording.replay(*call_args, **call_kwargs)
             vjp = tape.gradient(outputs, values, output_gradients=[g[None] for g in example_grads])
             return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(vjp, variables)]
 
-        return tf.vectorized_map(one_example, ([flat_inputs[i] for i in batched], grads))
+        elems = ([flat_inputs[i] for i in batched], grads)
+        return per_example_map(one_example, elems, [tf.TensorSpec(v.shape, v.dtype) for v in values], layer.name)
+
+
+def per_example_map(fn, elems, output_signature, layer_name: str):
+    """``tf.vectorized_map(fn, elems)``, or ``tf.map_fn`` (one example at a time) where pfor
+    cannot convert an op or a tensor of the layer (recurrent control flow) is not
+    accessible to it; a layer neither can run names itself in the error."""
+    try:
+        return tf.vectorized_map(fn, elems)
+    except Exception as vectorized_error:  # pfor conversion errors have no common type
+        try:
+            return tf.map_fn(fn, elems, fn_output_signature=output_signature)
+        except Exception as error:
+            raise ValueError(
+                f"tf_dp cannot compute per-example gradients of layer {layer_name!r}: vectorized_map failed "
+                f"({type(vectorized_error).__name__}: {str(vectorized_error)[:200]}) and so did a per-example "
+                f"map_fn ({type(error).__name__}: {str(error)[:200]}). Register a GhostRule for this layer "
+                f"(tf_dp.clipping.register_ghost_rule) or use clipping_engine='vectorized'.") from error

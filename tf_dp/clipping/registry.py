@@ -13,6 +13,7 @@ Add a rule for your own layer with ``register_ghost_rule(MyLayer, MyRule())``.
 from __future__ import annotations
 
 import abc
+import inspect
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
@@ -56,10 +57,25 @@ class CombinedContribution(Contribution):
 
 
 class GhostRule(abc.ABC):
-    """How to tap one layer class. Subclass and register for custom layers."""
+    """How to tap one layer class. Subclass and register for custom layers.
+
+    A rule models one computation: that of the class it was registered for, called with the
+    arguments of its ``tapped_call``. ``ghost_rule_for`` never gives it to a subclass whose
+    ``call`` differs, and the tap replays any call whose arguments ``accepts_call`` refuses
+    per example instead (tap.py)."""
 
     def applies_to(self, layer) -> bool:
         return True
+
+    def accepts_call(self, layer, args: tuple, kwargs: dict) -> bool:
+        """Whether ``tapped_call`` models this call: its arguments bind to the signature of
+        ``tapped_call`` (an argument the rule does not name, e.g. ``reverse=True`` on an
+        Embedding subclass, is refused) and the first one is a tensor."""
+        try:
+            inspect.signature(self.tapped_call).bind(layer, None, None, *args, **kwargs)
+        except TypeError:
+            return False
+        return bool(args) and _is_tensor(args[0])
 
     @abc.abstractmethod
     def variables(self, layer) -> list:
@@ -75,6 +91,7 @@ class GhostRule(abc.ABC):
 
 
 _RULES: dict[type, GhostRule] = {}
+_RULES_BY_NAME: dict[str, GhostRule] = {}  # "module.Class" of optional packages (keras-hub), never imported here
 
 
 def register_ghost_rule(layer_class: type, rule: GhostRule) -> None:
@@ -86,10 +103,30 @@ def register_ghost_rule(layer_class: type, rule: GhostRule) -> None:
     _RULES[layer_class] = rule
 
 
+def register_ghost_rule_by_name(qualified_name: str, rule: GhostRule) -> None:
+    """Registers ``rule`` for the class named ``module.QualName`` (a class of an optional
+    package such as keras-hub, matched without importing it)."""
+    _RULES_BY_NAME[qualified_name] = rule
+
+
+def _registered_rule(cls) -> Optional[GhostRule]:
+    return _RULES.get(cls) or _RULES_BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
 def ghost_rule_for(layer) -> Optional[GhostRule]:
-    """The most specific registered rule that applies to ``layer``, else None."""
+    """The most specific registered rule that applies to ``layer``, else None.
+
+    A rule registered for a class C is used for a subclass only if the subclass inherits
+    C's ``call`` unchanged: a subclass with its own ``call`` computes something else (a
+    Dense subclass adding a term, keras-hub's ReversibleEmbedding), so it falls back to the
+    per-example replay unless a rule is registered for the subclass itself."""
     for cls in type(layer).__mro__:
-        rule = _RULES.get(cls)
+        rule = _registered_rule(cls)
         if rule is not None:
-            return rule if rule.applies_to(layer) else None
+            same_computation = getattr(type(layer), "call", None) is getattr(cls, "call", None)
+            return rule if same_computation and rule.applies_to(layer) else None
     return None
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, (tf.Tensor, tf.Variable)) or tf.is_tensor(value)

@@ -4,6 +4,19 @@ Inside ``LayerTap`` every layer that owns trainable variables records what its r
 (inputs, pre-activation outputs) during the model's ordinary forward pass; outside, the
 layers are untouched. The swap is per instance and undone on exit, so the same model keeps
 serving plain Keras calls.
+
+Every recording also keeps the call's arguments, the variable values in effect and a
+``replay`` function (arguments → the recording's watched tensors), so that any call can be
+differentiated per example by the fallback (layer_per_example.py). A layer is replayed
+per example in all its calls as soon as one call is not what its rule models
+(``GhostRule.accepts_call``): the per-example gradient is then the sum over the calls,
+cross terms included.
+
+Batch-free calls: a layer applied to tensors without the example axis (ViT's position ids
+of shape [1, T], broadcast to the batch by the next op) sends every example's gradient
+through the same output; its per-example gradients are those of the broadcast copies, so
+the tap broadcasts such inputs to the batch first, and example i's gradient flows through
+its own slice.
 """
 
 from __future__ import annotations
@@ -11,19 +24,26 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from tf_dp.clipping.layer_per_example import LayerPerExampleRule
+import tensorflow as tf
+
+from tf_dp.clipping.layer_per_example import LayerPerExampleRule, is_batched
 from tf_dp.clipping.registry import GhostRule, ghost_rule_for
 
 
 class LayerTap:
-    """Context manager recording, per tapped layer, a list of ``Recording``s."""
+    """Context manager recording, per tapped layer, a list of ``Recording``s.
 
-    def __init__(self, layers, use_ghost_rules: bool = True):
-        fallback = LayerPerExampleRule(self)
+    ``batch_size``: the number of examples B (a scalar tensor or int); when None, taken from
+    the first tapped call that carries an example axis."""
+
+    def __init__(self, layers, use_ghost_rules: bool = True, batch_size=None):
+        self.fallback = LayerPerExampleRule(self)
         self.units: list[tuple[object, GhostRule]] = [
-            (layer, (ghost_rule_for(layer) if use_ghost_rules else None) or fallback) for layer in layers
+            (layer, (ghost_rule_for(layer) if use_ghost_rules else None) or self.fallback) for layer in layers
         ]
         self.recordings = {id(layer): [] for layer, _ in self.units}
+        self.replayed = set()  # ids of layers with a call their rule does not model
+        self.batch_size = batch_size
         self._paused = False
 
     def __enter__(self):
@@ -44,9 +64,39 @@ class LayerTap:
         def call(*args, **kwargs):
             if self._paused:
                 return original_call(*args, **kwargs)
-            return rule.tapped_call(layer, original_call, recordings, *args, **kwargs)
+            args, kwargs = self._with_example_axis(args, kwargs)
+            use = rule
+            if rule is not self.fallback and not rule.accepts_call(layer, args, kwargs):
+                self.replayed.add(id(layer))
+                use = self.fallback
+            values = self.fallback.values(layer)
+            outputs = use.tapped_call(layer, original_call, recordings, *args, **kwargs)
+            recording = recordings[-1]
+            recording.call_inputs, recording.values = (args, kwargs), values
+            if use is not self.fallback:
+                recording.replay = _rule_replay(use, layer, original_call)
+            return outputs
 
         return call
+
+    def _with_example_axis(self, args, kwargs):
+        """The call's arguments, with tensors lacking the example axis broadcast to the
+        batch when no argument has one (a batch-free call, see the module docstring)."""
+        flat = tf.nest.flatten((args, kwargs))
+        tensors = [v for v in flat if tf.is_tensor(v) and v.shape.rank is not None and v.shape.rank >= 1]
+        batched = [v for v in tensors if is_batched(v, None)]
+        if batched and self.batch_size is None:
+            self.batch_size = tf.shape(batched[0])[0]
+        if batched or not tensors or self.batch_size is None:
+            return args, kwargs
+        examples = self.batch_size
+
+        def broadcast(value):
+            if tf.is_tensor(value) and value.shape.rank is not None and value.shape.rank >= 1:
+                return tf.broadcast_to(value, tf.concat([[examples], tf.shape(value)[1:]], axis=0))
+            return value
+
+        return tf.nest.pack_sequence_as((args, kwargs), [broadcast(v) for v in flat])
 
     @contextlib.contextmanager
     def paused(self):
@@ -62,12 +112,23 @@ class LayerTap:
 
     def contributions(self, output_grads: list):
         """Splits the flat gradient list of ``watched_tensors`` back per layer and builds
-        each layer's ``Contribution`` (skipping layers not called in this pass)."""
+        each layer's ``Contribution`` (skipping layers not called in this pass); a layer
+        with a call its rule does not model is replayed per example in all its calls."""
         grads = iter(output_grads)
         result = []
         for layer, rule in self.units:
             recordings = self.recordings[id(layer)]
             per_recording = [[next(grads) for _ in r.watched] for r in recordings]
             if recordings:
-                result.append((layer, rule, rule.contribution(layer, recordings, per_recording)))
+                use = self.fallback if id(layer) in self.replayed else rule
+                result.append((layer, use, use.contribution(layer, recordings, per_recording)))
         return result
+
+
+def _rule_replay(rule, layer, original_call):
+    """Arguments → the watched tensors of the rule's own recording of that call."""
+    def replay(*args, **kwargs):
+        recordings = []
+        rule.tapped_call(layer, original_call, recordings, *args, **kwargs)
+        return recordings[-1].watched
+    return replay

@@ -1,0 +1,150 @@
+"""Real architectures built from plain Keras layers: the ghost engine's norms and clipped
+sums equal a per-example loop's (issue 13: subclasses with their own call, batch-free
+layers, layers with None outputs, recurrent layers, ops vectorized_map cannot convert)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import flat_norms, loop_per_example_gradients, sparse_ce
+from tf_dp.clipping import clipped_gradient_sum, ghost_rule_for
+
+BATCH = 4
+CLASSES = 3
+
+
+def assert_ghost_matches_loop(model, x, y=None, loss=sparse_ce):
+    """Norms (rel. 1e-4, never below the truth) and the clipped sum at C = median norm."""
+    y = np.random.randint(0, CLASSES, BATCH).astype("int32") if y is None else y
+    per_example = loop_per_example_gradients(model, x, y, loss)
+    norms = flat_norms(per_example)
+    clip = float(np.median(norms))
+    result = clipped_gradient_sum(model, loss, tf.nest.map_structure(tf.constant, x), tf.constant(y),
+                                  tf.ones(BATCH), clip)
+    got = np.sqrt(result.squared_norms.numpy().astype(np.float64))
+    np.testing.assert_allclose(got, norms, rtol=1e-4)
+    assert np.all(got >= norms * (1 - 1e-6))
+    factors = np.minimum(1.0, clip / got)
+    for v, total in enumerate(result.clipped_sums):
+        want = sum(factors[i] * per_example[i][v] for i in range(BATCH))
+        np.testing.assert_allclose(total.numpy(), want, rtol=1e-4, atol=1e-6)
+
+
+class ShiftedDense(keras.layers.Dense):
+    """A Dense subclass with its own call: z = (x + 1) W + b, squared."""
+
+    def call(self, inputs, training=None):
+        return keras.ops.square(super().call(inputs + 1.0))
+
+
+def test_subclass_with_own_call_falls_back():
+    layer = ShiftedDense(5)
+    assert ghost_rule_for(layer) is None  # the Dense rule would compute x W + b instead
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(layer(inputs)))
+    assert_ghost_matches_loop(model, np.random.randn(BATCH, 6).astype("float32"))
+
+
+class ScaledEmbedding(keras.layers.Embedding):
+    """An Embedding subclass taking an argument the Embedding rule does not model."""
+
+    def call(self, inputs, scale=None):
+        out = super().call(inputs)
+        return out if scale is None else out * scale
+
+
+class TwoLookups(keras.layers.Layer):
+    def __init__(self):
+        super().__init__()
+        self.embedding = ScaledEmbedding(11, 4)
+
+    def call(self, ids):
+        return self.embedding(ids) + self.embedding(ids[:, ::-1], scale=3.0)
+
+
+def test_call_with_unmodelled_arguments_is_replayed_in_every_call(monkeypatch):
+    from tf_dp.clipping import registry
+    from tf_dp.clipping.embedding import EmbeddingRule
+    monkeypatch.setitem(registry._RULES, ScaledEmbedding, EmbeddingRule())  # plain calls: Embedding's
+    twice = TwoLookups()
+    assert ghost_rule_for(twice.embedding) is not None
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = twice(inputs)
+    hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(4, activation="tanh")(hidden))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+    ids = np.random.randint(0, 11, (BATCH, 5)).astype("int32")
+    ids[0, :3] = 2
+    assert_ghost_matches_loop(model, ids)
+
+
+class PositionIds(keras.layers.Layer):
+    """ViT-style: position embedding looked up on ids of shape [1, T] and broadcast."""
+
+    def __init__(self, length, width):
+        super().__init__()
+        self.length = length
+        self.embedding = keras.layers.Embedding(length, width)
+
+    def call(self, x):
+        return x + self.embedding(keras.ops.arange(self.length)[None, :])
+
+
+def test_batch_free_position_embedding_matches_loop():
+    inputs = keras.Input((5, 4))
+    hidden = PositionIds(5, 4)(keras.layers.Dense(4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(keras.layers.Flatten()(keras.ops.tanh(hidden))))
+    assert_ghost_matches_loop(model, np.random.randn(BATCH, 5, 4).astype("float32"))
+
+
+class WithNoneOutput(keras.layers.Layer):
+    """T5-style: returns (output, bias, None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = self.add_weight(shape=(4, 4), initializer="glorot_uniform")
+
+    def call(self, x):
+        out = keras.ops.matmul(x, self.w)
+        return out, keras.ops.tanh(out), None
+
+
+class UsesNoneOutput(keras.layers.Layer):
+    def __init__(self):
+        super().__init__()
+        self.inner = WithNoneOutput()
+
+    def call(self, x):
+        out, bias, _ = self.inner(x)
+        return out * bias
+
+
+def test_layer_with_none_output_matches_loop():
+    inputs = keras.Input((3, 4))
+    hidden = keras.layers.Flatten()(UsesNoneOutput()(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+    assert_ghost_matches_loop(model, np.random.randn(BATCH, 3, 4).astype("float32"))
+
+
+RECURRENT = {
+    "lstm_unrolled": lambda: keras.layers.LSTM(3, unroll=True),
+    "lstm": lambda: keras.layers.LSTM(3),
+    "gru": lambda: keras.layers.GRU(3, return_sequences=True),
+    "simple_rnn": lambda: keras.layers.SimpleRNN(3),
+    "bidirectional": lambda: keras.layers.Bidirectional(keras.layers.LSTM(2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECURRENT))
+def test_recurrent_layers_match_loop(name):
+    inputs = keras.Input((4, 2))
+    hidden = keras.layers.Flatten()(RECURRENT[name]()(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+    assert_ghost_matches_loop(model, np.random.randn(BATCH, 4, 2).astype("float32"))
+
+
+def test_einsum_dense_bias_on_a_non_output_axis_matches_loop():
+    inputs = keras.Input((3, 4))
+    hidden = keras.layers.EinsumDense("abc,cd->abd", output_shape=(3, 5), bias_axes="b")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(keras.layers.Flatten()(hidden)))
+    assert_ghost_matches_loop(model, np.random.randn(BATCH, 3, 4).astype("float32"))
