@@ -54,9 +54,41 @@ class EvaluationPoint:
 
     coefficient: float
     weights: Optional[Sequence[tf.Tensor]] = None
+    view: Optional[int] = None  # augmentation multiplicity (§8): index on the inputs' view axis (axis 1)
 
 
 CURRENT_WEIGHTS = (EvaluationPoint(1.0),)
+
+
+@dataclass(frozen=True)
+class AugmentationViews:
+    """Augmentation multiplicity (ALGORITHMS §8): u_i = (1/K) Σ_k ∇ℓ(θ; x_i^(k)), clipped once.
+
+    Each view is an evaluation point at the same weights with coefficient 1/K, so the ghost
+    engine's per-layer recordings of the K passes are concatenated and the cross terms
+    between views enter the per-example norm exactly. ``view_axis``: the inputs carry the K
+    views on axis 1 (made by the data loader); else the K passes see the same inputs and
+    the views come from the model's own random layers (e.g. RandomFlip in training mode).
+    A model's ``_augmentation_views`` (set by ``fit``) selects them; default: one view."""
+
+    count: int = 1
+    view_axis: bool = False
+
+
+ONE_VIEW = AugmentationViews()
+
+
+def with_views(points: Sequence[EvaluationPoint], views: AugmentationViews) -> Sequence[EvaluationPoint]:
+    """Each point repeated once per view with its coefficient divided by K (unchanged for K = 1)."""
+    if views.count == 1 and not views.view_axis:
+        return points
+    return tuple(EvaluationPoint(p.coefficient / views.count, p.weights, k if views.view_axis else None)
+                 for p in points for k in range(views.count))
+
+
+def view_of(x, view: Optional[int]):
+    """The inputs of one view: x[:, view] on every leaf (x itself when ``view`` is None)."""
+    return x if view is None else tf.nest.map_structure(lambda t: t[:, view], x)
 
 
 def forward(model, x, weights: Optional[Sequence[tf.Tensor]] = None):
@@ -81,7 +113,7 @@ def _observation_losses(model, per_example_loss, x, y, points):
     (the point without weights, else the first) for metrics."""
     total, reported = 0.0, None
     for point in points:
-        y_pred = forward(model, x, point.weights)
+        y_pred = forward(model, view_of(x, point.view), point.weights)
         losses = per_example_loss(y, y_pred)
         total = total + point.coefficient * losses
         if reported is None or point.weights is None:
@@ -131,7 +163,7 @@ def _as_float32(squared_norms: tf.Tensor) -> tf.Tensor:
 def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points) -> ClippedBatch:
     grads = None
     for point in points:
-        at_point = per_example_gradients(model, per_example_loss, x, y, weights=point.weights)
+        at_point = per_example_gradients(model, per_example_loss, view_of(x, point.view), y, weights=point.weights)
         at_point = [point.coefficient * g for g in at_point]
         grads = at_point if grads is None else [a + b for a, b in zip(grads, at_point)]
     squared_norms = tf.add_n([squared_row_norms(g) for g in grads])
@@ -152,7 +184,9 @@ def clipped_gradient_sum(
     points: Sequence[EvaluationPoint] = CURRENT_WEIGHTS,
 ) -> ClippedBatch:
     """Σ_i mask_i · min(1, C/‖u_i‖) · u_i over the batch, with the per-example observation
-    u_i = Σ_k a_k ∇ℓ(θ_k; x_i) (u_i = g_i for DP-SGD) flat over ``model.trainable_variables``."""
+    u_i = Σ_k a_k ∇ℓ(θ_k; x_i) (u_i = g_i for DP-SGD) flat over ``model.trainable_variables``;
+    with augmentation multiplicity K each term is averaged over the K views of x_i."""
+    points = with_views(points, getattr(model, "_augmentation_views", ONE_VIEW))
     if engine == "ghost":
         return _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points)
     if engine == "vectorized":

@@ -10,6 +10,7 @@ data under add/remove adjacency (ALGORITHMS §7).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Optional
@@ -21,10 +22,14 @@ import tensorflow as tf
 from tf_dp import _checks
 from tf_dp.accounting import calibrate_noise_multiplier
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
-from tf_dp.models.data import (agreed_sampling_seed, as_arrays, distributed_poisson_dataset, is_batched_dataset,
-                               num_rows, poisson_dataset)
-from tf_dp.models.row_independence import check_rows_independent
+from tf_dp.clipping.engine import ONE_VIEW, AugmentationViews
+from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset, is_batched_dataset, num_rows,
+                               poisson_dataset)
+from tf_dp.models.row_independence import DONOR_SEARCH, GUARD_ROWS, check_rows_independent
+from tf_dp.models.step import DPTrainStep
 from tf_dp.optimizers import DPOptimizer
+from tf_dp.sampling.loader import augment_examples
+from tf_dp.sampling.sources import MARKER, ArraySource, SourceError, example_source
 
 
 class DPFitting:
@@ -44,16 +49,29 @@ class DPFitting:
         steps_per_epoch: Optional[int] = None,
         physical_batch_size: Optional[int] = None,
         sampling_seed: Optional[int] = None,
+        transform=None,
+        augment=None,
+        augmentation_multiplicity: int = 1,
         **kwargs,
     ):
-        """Keras ``fit`` with Poisson sampling (rate q = batch_size / N) for arrays and
-        unbatched ``tf.data`` datasets.
+        """Keras ``fit`` with Poisson sampling (rate q = batch_size / N) for arrays (numpy,
+        ``numpy.memmap``, ``h5py``-like), unbatched ``tf.data`` datasets and random-access
+        sources (``len(x)`` and ``x[i]`` → example i as (x, y), or as a record that
+        ``transform(record)`` turns into one: ``tfds.data_source``, ArrayRecord, grain,
+        ``tf_dp.sampling.TFRecordSource``); only the sampled examples are read.
 
         An epoch is ⌈N/L⌉ steps. Batched datasets cannot be resampled: they are trained
         as given, averaged over the declared ``batch_size`` (default: the dataset's static
         batch size) and accounted WITHOUT sampling amplification, with a warning.
         ``sampling_seed`` makes the batches reproducible; like the noise seed it is a secret
         (amplification by sampling assumes the batches are unknown) and is never saved.
+
+        ``augment(x, seed) -> x'``: per-example augmentation (TensorFlow ops on one example,
+        stateless randomness from ``seed``), run in the input pipeline.
+        ``augmentation_multiplicity=K`` (ALGORITHMS §8): K views per sampled example — K
+        ``augment`` draws, or without ``augment`` K passes through the model's own random
+        layers — whose gradients are averaged BEFORE clipping: one clipped vector per
+        example, so the sensitivity stays C and ε is unchanged; compute grows with K.
         """
         self._require_dp_compiled()
         if kwargs.get("shuffle") not in (None, True):
@@ -66,14 +84,21 @@ class DPFitting:
             self._set_example_weights(sample_weight, class_weight, where="dataset")
             return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
                                            steps_per_epoch, **kwargs)
-        x, y = as_arrays(x, y)
+        views = self._augmentation_setting(augment, augmentation_multiplicity)
+        source = example_source(x, y, transform)
         if validation_split:
-            (x, y), validation_data = _split_tail(x, y, validation_split)
+            if not isinstance(source, ArraySource):
+                raise ValueError("`validation_split` needs arrays; pass `validation_data` with a source or dataset.")
+            (x, y), validation_data = _split_tail(source.x, source.y, validation_split)
+            source = ArraySource(x, y)
             if sample_weight is not None:  # the tail's weights go with the validation rows
                 weights = np.asarray(sample_weight)
-                sample_weight, validation_data = weights[:num_rows(x)], (*validation_data, weights[num_rows(x):])
-        num_examples = num_rows(x)
+                sample_weight, validation_data = weights[:len(source)], (*validation_data, weights[len(source):])
+        num_examples = len(source)
         self._set_example_weights(sample_weight, class_weight, num_examples)
+        x, y = source.head(GUARD_ROWS + DONOR_SEARCH)  # what the guard and the build read: never all of the data
+        if augment is not None:
+            x = augment_examples(augment, x)
         check_rows_independent(self, self._dp_loss, x, y)
         if batch_size is None:
             raise ValueError("`batch_size` (the expected Poisson batch size L) is required for DP fit.")
@@ -89,13 +114,47 @@ class DPFitting:
             raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
         steps_taken = StepsTaken(self.privacy_ledger)
         callbacks.append(steps_taken)  # last: its on_train_begin sees a ledger BackupAndRestore restored
-        dataset = self._poisson_stream(x, y, num_examples, batch_size, physical_batch_size, sampling_seed,
-                                       steps_taken)
+        dataset = self._poisson_stream(source, num_examples, batch_size, physical_batch_size, sampling_seed,
+                                       steps_taken, augment, views)
         self._prebuild(x, y)
-        return super().fit(
-            dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
-            initial_epoch=initial_epoch, steps_per_epoch=steps, shuffle=False, **kwargs,
-        )
+        with self._views_for_fit(views), reading_errors_named():
+            return super().fit(
+                dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
+                initial_epoch=initial_epoch, steps_per_epoch=steps, shuffle=False, **kwargs,
+            )
+
+    def _augmentation_setting(self, augment, multiplicity) -> AugmentationViews:
+        """The views each sampled example contributes (augmentation multiplicity, ALGORITHMS §8)."""
+        multiplicity = _checks.positive_int("augmentation_multiplicity", multiplicity)
+        if augment is not None and not callable(augment):
+            raise TypeError(f"`augment` must be a callable augment(x, seed) -> x, got {augment!r}.")
+        if multiplicity == 1:
+            return ONE_VIEW
+        if type(self).train_step is not DPTrainStep.train_step:
+            raise ValueError(f"augmentation_multiplicity > 1 is supported by DPModel's own train step; "
+                             f"{type(self).__name__} overrides train_step.")
+        if augment is None and not any(getattr(layer, "_seed_generators", None)
+                                       for layer in self._flatten_layers(include_self=True)):
+            raise ValueError(
+                "augmentation_multiplicity > 1 needs random views: pass augment=fn (fn(x, seed) -> augmented x, "
+                "run in the input pipeline), or put random augmentation layers in the model (e.g. "
+                "keras.layers.RandomFlip, RandomCrop, RandomTranslation): without either, the K views would be identical.")
+        return AugmentationViews(multiplicity, view_axis=augment is not None)
+
+    @contextlib.contextmanager
+    def _views_for_fit(self, views: AugmentationViews):
+        """The clipping engine reads the model's views while the train step is traced: set
+        them for this fit only, and retrace when they differ from the traced ones."""
+        previous = getattr(self, "_augmentation_views", ONE_VIEW)
+        if views != previous:
+            self.train_function = None
+        self._augmentation_views = views
+        try:
+            yield
+        finally:
+            self._augmentation_views = previous
+            if views != previous:
+                self.train_function = None
 
     def _fit_fixed_batches(self, dataset, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
                            steps_per_epoch, **kwargs):
@@ -139,20 +198,23 @@ class DPFitting:
         self._build_optimizer()
         return super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
-    def _poisson_stream(self, x, y, num_examples, batch_size, physical_batch_size, sampling_seed, steps_taken):
+    def _poisson_stream(self, source, num_examples, batch_size, physical_batch_size, sampling_seed, steps_taken,
+                        augment=None, views: AugmentationViews = ONE_VIEW):
         """The Poisson batches ``fit`` trains on: the batch of step t at step t, one global
-        batch per step, which tf.distribute replicas split by chunks (never duplicate)."""
+        batch per step, which tf.distribute replicas split by chunks (never duplicate),
+        each worker reading only its replicas' examples from the source."""
         strategy, secure = self.distribute_strategy, self.optimizer.secure_mode
         extras = self._per_example_extras(num_examples)
         steps_taken = steps_taken.read
+        loading = dict(source=source, augment=augment, views=views.count if views.view_axis else 1)
         if strategy.num_replicas_in_sync == 1:
-            return poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, sampling_seed, extras,
-                                   secure=secure, first_step=steps_taken)
+            return poisson_dataset(None, None, num_examples, batch_size, physical_batch_size, sampling_seed, extras,
+                                   secure=secure, first_step=steps_taken, augment_seed=sampling_seed, **loading)
         if secure:
             self._refuse_multi_worker("secure_mode=True (each worker would draw its own OS-entropy batch)")
         seed = sampling_seed if secure else agreed_sampling_seed(strategy, sampling_seed)
-        return distributed_poisson_dataset(strategy, x, y, num_examples, batch_size, physical_batch_size, seed,
-                                           extras, secure=secure, first_step=steps_taken)
+        return distributed_poisson_dataset(strategy, None, None, num_examples, batch_size, physical_batch_size, seed,
+                                           extras, secure=secure, first_step=steps_taken, augment_seed=seed, **loading)
 
     def _refuse_multi_worker(self, what: str):
         """Workers would each read their own data, so one global step could read an example
@@ -300,3 +362,17 @@ def _split_tail(x, y, fraction):
     head = lambda a: a[:cut]  # noqa: E731
     tail = lambda a: a[cut:]  # noqa: E731
     return (tf.nest.map_structure(head, x), head(y)), (tf.nest.map_structure(tail, x), tail(y))
+
+
+@contextlib.contextmanager
+def reading_errors_named():
+    """A source error raised inside the input pipeline reaches the user as SourceError
+    (naming the index and the expected spec), not as an opaque tf.errors op error."""
+    try:
+        yield
+    except tf.errors.OpError as error:
+        message = error.message or ""
+        if MARKER not in message:
+            raise
+        detail = message[message.index(MARKER) + len(MARKER) + 2:].split("\n")[0]
+        raise SourceError(detail) from error

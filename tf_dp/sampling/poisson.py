@@ -22,7 +22,7 @@ import numpy as np
 
 from tf_dp import _checks
 
-PAD_INDEX = 0  # any valid index: padding rows are zeroed when gathered, and masked
+PAD_INDEX = 0  # any valid index: padding slots are never read (their rows are zeros), and masked
 
 
 def sample_poisson_batch(rng, num_examples: int, sampling_rate: float) -> np.ndarray:
@@ -68,8 +68,8 @@ def choose_physical_batch_size(num_examples: int, sampling_rate: float) -> int:
 def chunk(indices: np.ndarray, physical_batch_size: int, multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Lays ``indices`` out as [n_chunks, P] (n_chunks a multiple of ``multiple``) and the
     0/1 mask. Padding slots hold PAD_INDEX, a placeholder, not an example: whoever gathers
-    rows by these indices must not feed that example there (``gather_rows`` in
-    tf_dp.models.data puts zeros in padding rows)."""
+    rows by these indices must not feed that example there (the sources of
+    tf_dp.sampling.sources never read padding slots: their rows are zeros)."""
     chunks = max(1, math.ceil(len(indices) / physical_batch_size))
     chunks = math.ceil(chunks / multiple) * multiple
     padded = np.full(chunks * physical_batch_size, PAD_INDEX, dtype=np.int64)

@@ -1,0 +1,515 @@
+"""Example sources for Poisson sampling: only the sampled examples are ever read.
+
+Poisson sampling (ALGORITHMS §1) draws INDICES; a source turns the indices of one batch
+into rows. Whatever the source, memory grows with the batch, never with the number of
+examples N, unless the data were handed over in memory in the first place:
+
+* :class:`ArraySource` — columns: numpy arrays (in memory or ``numpy.memmap``) or
+  array-likes with ``shape``/``dtype``/``__getitem__`` (``h5py.Dataset``, zarr); rows are
+  read by fancy indexing (in increasing index order, as h5py requires).
+* :class:`RecordSource` — any random-access collection: ``len(source)`` and
+  ``source[i]`` returning example i as an ``(x, y)`` pair, or as a record that a
+  per-example ``transform(record) -> (x, y)`` turns into one (``tfds.data_source(...)``,
+  an ArrayRecord reader, a grain ``MapDataset``, a list of file paths with a decode
+  function). ``source.__getitems__(indices)`` is used when present (TFDS/grain sources
+  read a batch of records in parallel there).
+* :class:`DatasetSource` — an unbatched ``tf.data.Dataset`` that supports random access
+  (``tf.data.experimental.at``: from_tensor_slices, range, map, zip, concatenate, ...).
+* :class:`TFRecordSource` — TFRecord shards (no random access of their own): one
+  sequential pass records every record's byte offset (an index of 16 bytes per record,
+  never the records), after which any record is one seek and read away.
+
+A record that cannot be read, or does not match the source's spec (the shapes and
+dtypes of the first example), raises :class:`SourceError` naming the index and the
+expected spec: an example silently skipped would change the sampling the accountant assumes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import struct
+import warnings
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+MARKER = "tf_dp source error"
+
+
+class SourceError(ValueError):
+    """A record that could not be read or does not match the source's example spec."""
+
+    def __init__(self, message: str):
+        super().__init__(f"{MARKER}: {message}")
+
+
+# ----------------------------------------------------------------------------- specs
+def _leaf_spec(value) -> tf.TensorSpec:
+    array = np.asarray(value)
+    if array.dtype.kind == "S" or (array.dtype == object and all(isinstance(v, bytes) for v in array.reshape(-1))):
+        return tf.TensorSpec(array.shape, tf.string)
+    if array.dtype == object:
+        raise TypeError("records must hold dense fixed-shape arrays, numbers or bytes, not Python objects.")
+    return tf.TensorSpec(array.shape, tf.as_dtype(array.dtype))
+
+
+def describe(spec) -> str:
+    """x: float32[28, 28, 1], y: int64[] — for error messages."""
+    def one(leaf):
+        return f"{leaf.dtype.name}[{', '.join(str(d) for d in leaf.shape)}]"
+
+    x_spec, y_spec = spec
+    return f"x: {tf.nest.map_structure(one, x_spec)}, y: {one(y_spec)}"
+
+
+def _is_lazy_array(value) -> bool:
+    """An array-like read by row on demand (numpy.memmap, h5py.Dataset, zarr), not converted whole."""
+    if isinstance(value, np.memmap):
+        return True
+    if isinstance(value, (np.ndarray, tf.Tensor, list, tuple, dict)) or hasattr(value, "to_numpy"):
+        return False  # in memory already (pandas objects included: converted, never indexed by label)
+    return all(hasattr(value, name) for name in ("shape", "dtype", "__getitem__", "__len__"))
+
+
+def _column(value, name: str):
+    if isinstance(value, (tf.RaggedTensor, tf.SparseTensor)):
+        raise TypeError(
+            f"`{name}` is a {type(value).__name__}; DP training needs dense, fixed-shape examples "
+            "(pad sequences, e.g. keras.utils.pad_sequences)."
+        )
+    if _is_lazy_array(value):
+        return value
+    array = np.asarray(value)
+    if array.dtype == object:
+        raise TypeError(f"`{name}` has ragged/object rows; pad them to one shape first.")
+    return array
+
+
+def _num_rows(column) -> int:
+    return int(column.shape[0]) if hasattr(column, "shape") else len(column)
+
+
+def _take_rows(column, rows: np.ndarray) -> np.ndarray:
+    """column[rows] for increasing ``rows``; array-likes that refuse a fancy index are read row by row."""
+    if isinstance(column, np.ndarray):
+        return column[rows]
+    try:
+        return np.asarray(column[rows])
+    except (TypeError, ValueError, IndexError):
+        return np.stack([np.asarray(column[int(i)]) for i in rows]) if len(rows) else \
+            np.zeros((0, *column.shape[1:]), column.dtype)
+
+
+def _scatter(values: np.ndarray, real: np.ndarray, count: int) -> np.ndarray:
+    """A [count, ...] array holding ``values`` at the positions ``real`` and zeros (empty
+    bytes) elsewhere."""
+    if values.dtype == object:
+        out = np.full((count, *values.shape[1:]), b"", object)
+    else:
+        out = np.zeros((count, *values.shape[1:]), values.dtype)
+    out[real] = values
+    return out
+
+
+# --------------------------------------------------------------------------- sources
+class ExampleSource:
+    """N examples, each an (x, y) of a fixed spec, plus per-example ``extras`` arrays
+    (e.g. RaCO-DP's group ids) read alongside.
+
+    ``read(indices, mask)`` returns (x, y, extras) as numpy structures [n, ...] with the
+    examples at ``indices`` where ``mask`` is 1 and zeros (empty bytes) where it is 0 —
+    padding rows are neutral values, never a copy of an example; only the masked-in rows
+    are read. ``graph_read`` is the same inside a tf.data pipeline."""
+
+    spec: tuple  # (x spec structure, y spec), tf.TensorSpec per leaf, no batch axis
+    extras: dict
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def read_examples(self, rows: np.ndarray):
+        """(x, y) numpy structures [len(rows), ...] of the examples ``rows`` (increasing)."""
+        raise NotImplementedError
+
+    def read(self, indices: np.ndarray, mask: np.ndarray):
+        indices, mask = np.asarray(indices).reshape(-1), np.asarray(mask).reshape(-1)
+        real = np.flatnonzero(mask != 0)
+        x, y = self.read_examples(indices[real])
+        place = lambda values: _scatter(values, real, len(indices))  # noqa: E731
+        extras = {name: place(_take_rows(column, indices[real])) for name, column in self.extras.items()}
+        return tf.nest.map_structure(place, x), place(y), extras
+
+    def head(self, count: int):
+        """(x, y) of the first ``count`` examples (the row-independence guard and the model build read these)."""
+        return self.read_examples(np.arange(min(count, len(self))))
+
+    def with_extras(self, extras: Optional[dict]) -> "ExampleSource":
+        extras = {name: _column(value, name) for name, value in (extras or {}).items()}
+        for name, column in extras.items():
+            if _num_rows(column) != len(self):
+                raise ValueError(f"`{name}` has {_num_rows(column)} rows but the source has {len(self)} examples.")
+        self.extras = extras
+        return self
+
+    def output_specs(self) -> tuple:
+        """(x, y, extras) TensorSpecs without the batch axis."""
+        extras = {name: tf.TensorSpec(column.shape[1:], tf.as_dtype(column.dtype)) for name, column in self.extras.items()}
+        return (*self.spec, extras)
+
+    def graph_read(self, indices: tf.Tensor, mask: tf.Tensor):
+        """``read`` inside a graph (a tf.data map function): (x, y, extras) tensors [n, ...]."""
+        specs = self.output_specs()
+        flat_specs = tf.nest.flatten(specs)
+
+        @tf.autograph.experimental.do_not_convert
+        def read(indices, mask):
+            return [np.asarray(v) for v in tf.nest.flatten(self.read(indices, mask))]
+
+        flat = tf.numpy_function(read, [indices, mask], [s.dtype for s in flat_specs], stateful=False)
+        for tensor, spec in zip(flat, flat_specs):
+            tensor.set_shape([None, *spec.shape])
+        return tf.nest.pack_sequence_as(specs, flat)
+
+
+class ArraySource(ExampleSource):
+    """Columns ``x`` (an array or a nest of arrays) and ``y`` with one row per example."""
+
+    def __init__(self, x, y, extras: Optional[dict] = None):
+        if x is None or y is None:
+            raise ValueError("DP fit needs both `x` and `y`.")
+        self.x = tf.nest.map_structure(lambda v: _column(v, "x"), x)
+        self.y = _column(y, "y")
+        sizes = {_num_rows(c) for c in tf.nest.flatten(self.x)} | {_num_rows(self.y)}
+        if len(sizes) != 1:
+            raise ValueError(f"`x` and `y` must have the same number of rows, got sizes {sorted(sizes)}.")
+        self._count = sizes.pop()
+        column_spec = lambda c: tf.TensorSpec(c.shape[1:], tf.as_dtype(c.dtype))  # noqa: E731
+        self.spec = (tf.nest.map_structure(column_spec, self.x), column_spec(self.y))
+        self.extras = {}
+        self.with_extras(extras)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def read_examples(self, rows):
+        take = lambda column: _take_rows(column, rows)  # noqa: E731
+        return tf.nest.map_structure(take, self.x), take(self.y)
+
+    def in_memory(self) -> bool:
+        return all(isinstance(c, np.ndarray) and not isinstance(c, np.memmap)
+                   for c in tf.nest.flatten(self.x) + [self.y])
+
+
+class RecordSource(ExampleSource):
+    """``source[i]`` (or ``transform(source[i])``) is example i as an (x, y) pair.
+
+    Records are fetched with ``source.__getitems__`` when the source has it, else one by
+    one; ``transform`` runs on ``workers`` threads (decoders such as PIL and numpy release
+    the GIL). The spec is that of example 0; every record read is checked against it."""
+
+    def __init__(self, source, transform: Optional[Callable] = None, workers: Optional[int] = None,
+                 spec: Optional[tuple] = None):
+        if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+            raise TypeError(f"A source needs `__len__` and `__getitem__`, got {type(source).__name__}.")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"`transform` must be callable, got {transform!r}.")
+        self.source, self.transform = source, transform
+        self.workers = workers or min(4, os.cpu_count() or 1)
+        self._count = len(source)
+        if self._count <= 0:
+            raise ValueError("The source holds no examples.")
+        self.extras = {}
+        self.spec = None
+        if spec is None:
+            x, y = self._example(0, self._fetch_one(0))
+            spec = (tf.nest.map_structure(_leaf_spec, x), _leaf_spec(y))
+        self.spec = spec
+        self._pool = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getstate__(self):  # picklable for multiprocessing (the pool is per process)
+        return {**self.__dict__, "_pool": None}
+
+    def _fetch_one(self, index: int):
+        try:
+            return self.source[index]
+        except Exception as error:  # noqa: BLE001 — named and re-raised, never skipped
+            raise SourceError(f"reading example {index} of {type(self.source).__name__} failed "
+                              f"({type(error).__name__}: {error}); {self._expected()}") from error
+
+    def _fetch(self, rows: np.ndarray) -> list:
+        getitems = getattr(self.source, "__getitems__", None)
+        if getitems is not None and len(rows) > 1:
+            try:
+                records = list(getitems([int(i) for i in rows]))
+                if len(records) == len(rows):
+                    return records
+            except Exception:  # noqa: BLE001 — found and named one by one below
+                pass
+        return [self._fetch_one(int(i)) for i in rows]
+
+    def _expected(self) -> str:
+        if self.spec is None:
+            return "expected an (x, y) pair" + (" from transform(record)" if self.transform else "")
+        return f"expected {describe(self.spec)}"
+
+    def _example(self, index: int, record):
+        """(x, y) of one record, transformed and checked against the spec."""
+        if self.transform is not None:
+            try:
+                record = self.transform(record)
+            except Exception as error:  # noqa: BLE001
+                raise SourceError(f"transform failed on example {index} ({type(error).__name__}: {error}); "
+                                  f"{self._expected()}") from error
+        if not isinstance(record, (tuple, list)) or len(record) != 2:
+            raise SourceError(f"example {index} is a {type(record).__name__}, not an (x, y) pair; {self._expected()}"
+                              + ("" if self.transform else " (pass transform=... to turn records into (x, y))"))
+        x, y = record
+        if self.spec is None:
+            return x, y
+        try:
+            tf.nest.assert_same_structure(self.spec[0], x)
+            leaves = [_conform(v, s) for v, s in zip(tf.nest.flatten(x) + [y], tf.nest.flatten(self.spec[0]) + [self.spec[1]])]
+        except (ValueError, TypeError) as error:
+            got = (tf.nest.map_structure(lambda v: f"{np.asarray(v).dtype}{list(np.shape(v))}", x),
+                   f"{np.asarray(y).dtype}{list(np.shape(y))}")
+            raise SourceError(f"example {index} does not match the source's spec: {describe(self.spec)}; "
+                              f"got x: {got[0]}, y: {got[1]}") from error
+        return tf.nest.pack_sequence_as(self.spec[0], leaves[:-1]), leaves[-1]
+
+    def _examples(self, rows: np.ndarray) -> list:
+        records = self._fetch(rows)
+        if self.transform is None or self.workers <= 1 or len(rows) < 2 * self.workers:
+            return [self._example(int(i), r) for i, r in zip(rows, records)]
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="tf_dp_source")
+        parts = np.array_split(np.arange(len(rows)), self.workers)
+        work = lambda part: [self._example(int(rows[j]), records[j]) for j in part]  # noqa: E731
+        return [example for done in self._pool.map(work, parts) for example in done]
+
+    def read_examples(self, rows):
+        rows = np.asarray(rows, np.int64)
+        examples = self._examples(rows)
+        x_spec, y_spec = self.spec
+        x_leaves = [np.empty((len(rows), *s.shape), s.dtype.as_numpy_dtype) for s in tf.nest.flatten(x_spec)]
+        y = np.empty((len(rows), *y_spec.shape), y_spec.dtype.as_numpy_dtype)
+        for j, (x_j, y_j) in enumerate(examples):
+            for leaf, value in zip(x_leaves, tf.nest.flatten(x_j)):
+                leaf[j] = value
+            y[j] = y_j
+        return tf.nest.pack_sequence_as(x_spec, x_leaves), y
+
+
+def _conform(value, spec: tf.TensorSpec) -> np.ndarray:
+    array = np.asarray(value)
+    if tuple(array.shape) != tuple(spec.shape):
+        raise ValueError("shape")
+    if spec.dtype == tf.string:  # bytes of any length
+        if array.dtype.kind not in "SO":
+            raise TypeError("dtype")
+        return array.astype(object) if array.ndim else array.item()
+    want = np.dtype(spec.dtype.as_numpy_dtype)
+    if array.dtype != want:
+        if not np.can_cast(array.dtype, want, "same_kind"):
+            raise TypeError("dtype")
+        array = array.astype(want)
+    return array
+
+
+class DatasetSource(ExampleSource):
+    """An unbatched, finite ``tf.data.Dataset`` with random access
+    (``tf.data.experimental.at``): example i is computed on demand, in the graph."""
+
+    def __init__(self, dataset: tf.data.Dataset, count: int):
+        self.dataset, self._count = dataset, count
+        spec = dataset.element_spec
+        self.spec = (spec[0], spec[1])
+        self.extras = {}
+
+    def __len__(self) -> int:
+        return self._count
+
+    def read_examples(self, rows):
+        examples = [tf.data.experimental.at(self.dataset, int(i)) for i in rows]
+        stack = lambda *leaves: np.stack([np.asarray(v) for v in leaves]) if leaves else None  # noqa: E731
+        if not examples:
+            empty = lambda s: np.zeros((0, *s.shape), s.dtype.as_numpy_dtype)  # noqa: E731
+            return tf.nest.map_structure(empty, self.spec[0]), empty(self.spec[1])
+        return tf.nest.map_structure(stack, *[e[0] for e in examples]), stack(*[e[1] for e in examples])
+
+    def graph_read(self, indices, mask):
+        real = tf.cast(mask > 0, tf.bool)
+        rows = tf.where(real, indices, 0)
+        dataset = self.dataset
+
+        def one(index):
+            return tf.data.experimental.at(dataset, index)
+
+        x, y = tf.map_fn(one, rows, fn_output_signature=self.spec, parallel_iterations=16)
+
+        def zero_padding(values):
+            shape = tf.concat([tf.shape(real), tf.ones([values.shape.rank - 1], tf.int32)], axis=0)
+            return tf.where(tf.reshape(real, shape), values, tf.zeros_like(values))
+
+        extras = {}
+        if self.extras:
+            specs = self.output_specs()[2]
+            names = sorted(self.extras)
+            flat = tf.numpy_function(lambda i, m: [self.read(i, m)[2][n] for n in names], [indices, mask],
+                                     [specs[n].dtype for n in names], stateful=False)
+            extras = {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
+        return tf.nest.map_structure(zero_padding, x), zero_padding(y), extras
+
+
+# ---------------------------------------------------------------------- TFRecord index
+class TFRecordSource:
+    """Random access to (uncompressed) TFRecord shards: one sequential pass over the files
+    records each record's (shard, byte offset, length) — 16 bytes per record, the records
+    themselves are not kept — then ``source[i]`` is one seek and read of the serialized
+    record (bytes). Pair it with a ``transform`` that parses it, e.g.
+    ``lambda b: parse(tf.train.Example.FromString(b))``.
+
+    The honest alternative for shards that cannot be indexed (compressed files, streams):
+    ``fit(dataset.batch(L))``, trained as fixed batches and accounted WITHOUT sampling
+    amplification (a much larger ε; fit warns)."""
+
+    def __init__(self, files: Sequence[str], verify_crc: bool = False):
+        self.files = [os.fspath(f) for f in ([files] if isinstance(files, (str, os.PathLike)) else files)]
+        if not self.files:
+            raise ValueError("TFRecordSource needs at least one file.")
+        shards, offsets, lengths = [], [], []
+        for shard, path in enumerate(self.files):
+            for offset, length in _scan_tfrecord(path):
+                shards.append(shard)
+                offsets.append(offset)
+                lengths.append(length)
+        self.shard = np.asarray(shards, np.int32)
+        self.offset = np.asarray(offsets, np.int64)
+        self.length = np.asarray(lengths, np.int32)
+        self._handles: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_handles": {}}
+
+    def __getitem__(self, index):
+        index = int(index)
+        if not 0 <= index < len(self):
+            raise IndexError(f"record {index} out of range [0, {len(self)})")
+        shard = int(self.shard[index])
+        import threading
+        key = (shard, threading.get_ident())  # one handle per thread: seek + read are not atomic
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = self._handles[key] = open(self.files[shard], "rb")
+        handle.seek(int(self.offset[index]))
+        data = handle.read(int(self.length[index]))
+        if len(data) != int(self.length[index]):
+            raise IOError(f"{self.files[shard]} is truncated at record {index}")
+        return data
+
+
+def _scan_tfrecord(path: str):
+    """(offset of the data, length) of every record of an uncompressed TFRecord file:
+    uint64 length, uint32 masked CRC of the length, data, uint32 masked CRC of the data."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        position = 0
+        while position < size:
+            header = handle.read(12)
+            if len(header) < 12:
+                raise ValueError(f"{path} is not an uncompressed TFRecord file (truncated header at byte {position}); "
+                                 "compressed shards cannot be indexed: train on them as fixed batches.")
+            (length,) = struct.unpack("<Q", header[:8])
+            if position + 16 + length > size:
+                raise ValueError(f"{path} is not an uncompressed TFRecord file (record at byte {position} runs past "
+                                 "the end); compressed shards cannot be indexed: train on them as fixed batches.")
+            yield position + 12, length
+            position += 16 + length
+            handle.seek(position)
+
+
+# ------------------------------------------------------------------ choosing a source
+def is_record_source(x, y, transform) -> bool:
+    """Whether fit's ``x`` is a random-access source of records (rather than arrays)."""
+    if isinstance(x, ExampleSource):
+        return True
+    if y is not None or x is None or isinstance(x, (tf.data.Dataset, tf.Tensor, np.ndarray, dict)):
+        return False
+    if transform is not None:
+        return hasattr(x, "__len__") and hasattr(x, "__getitem__")
+    if isinstance(x, (list, tuple)) or _is_lazy_array(x):
+        return False
+    return hasattr(x, "__len__") and hasattr(x, "__getitem__")
+
+
+def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSource:
+    """The ExampleSource of fit's (x, y): arrays (lazy ones stay lazy), an unbatched dataset
+    (random access when it has it, else materialized with a warning), or a record source."""
+    if isinstance(x, ExampleSource):
+        if transform is not None:
+            raise ValueError("Pass `transform` to the source, not to fit, when x is already an ExampleSource.")
+        return x
+    if isinstance(x, tf.data.Dataset):
+        if y is not None:
+            raise ValueError("Pass `y` inside the dataset, not as a separate argument.")
+        if transform is not None:
+            raise ValueError("`transform` applies to random-access sources; map a tf.data.Dataset with .map(...).")
+        return dataset_source(x)
+    if is_record_source(x, y, transform):
+        return RecordSource(x, transform)
+    if transform is not None:
+        raise ValueError("`transform` needs `x` to be a random-access source of records (and no `y`).")
+    return ArraySource(x, y)
+
+
+def dataset_source(dataset: tf.data.Dataset) -> ExampleSource:
+    """An unbatched dataset of (x, y) as a source, in this order of preference:
+
+    1. ``from_tensor_slices((x, y))``: its tensors, read as arrays (nothing copied);
+    2. a finite dataset with random access (``tf.data.experimental.at``): read on demand;
+    3. otherwise it is materialized — with a warning giving its size."""
+    spec = dataset.element_spec
+    if not isinstance(spec, tuple) or len(spec) != 2:
+        raise ValueError("A dataset given to DP fit must yield (x, y) pairs of single examples.")
+    tensors = getattr(dataset, "_tensors", None)
+    if type(dataset).__name__ == "_TensorSliceDataset" and tensors is not None:
+        flat = [np.asarray(t) for t in tensors]
+        x, y = tf.nest.pack_sequence_as(spec, flat)
+        return ArraySource(x, y)
+    count = int(dataset.cardinality())
+    if count > 0:
+        try:
+            tf.data.experimental.at(dataset, 0)
+            return DatasetSource(dataset, count)
+        except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError, NotImplementedError):
+            pass
+    return materialized_source(dataset)
+
+
+def materialized_source(dataset: tf.data.Dataset) -> ArraySource:
+    parts_x, parts_y = [], []
+    for x, y in dataset.batch(4096).as_numpy_iterator():
+        parts_x.append(x)
+        parts_y.append(y)
+    if not parts_y:
+        raise ValueError("A dataset given to DP fit must yield (x, y) pairs of single examples; it yielded none.")
+    x = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *parts_x)
+    y = np.concatenate(parts_y)
+    size = sum(a.nbytes for a in tf.nest.flatten(x)) + y.nbytes
+    warnings.warn(
+        f"tf_dp: this tf.data.Dataset has no random access (it reads sequentially: a generator, TFRecords, filter, "
+        f"interleave, ...), so Poisson sampling needs all of it in memory: materialized {len(y):,} examples "
+        f"({size / 2**20:,.1f} MiB). For data that do not fit, pass a random-access source instead (a "
+        "tfds.data_source, an ArrayRecord reader, a numpy.memmap, tf_dp.sampling.TFRecordSource(files) with a "
+        "parsing transform), or batch the dataset (fixed batches, accounted without sampling amplification).",
+        stacklevel=4,
+    )
+    return ArraySource(x, y)
+
