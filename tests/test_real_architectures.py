@@ -148,3 +148,31 @@ def test_einsum_dense_bias_on_a_non_output_axis_matches_loop():
     hidden = keras.layers.EinsumDense("abc,cd->abd", output_shape=(3, 5), bias_axes="b")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(CLASSES)(keras.layers.Flatten()(hidden)))
     assert_ghost_matches_loop(model, np.random.randn(BATCH, 3, 4).astype("float32"))
+
+
+class TiedLanguageModel(keras.layers.Layer):
+    """Token lookup and output projection through one keras.layers.ReversibleEmbedding."""
+
+    def __init__(self, tie_weights=True, logit_soft_cap=None):
+        super().__init__()
+        self.embedding = keras.layers.ReversibleEmbedding(11, 4, tie_weights=tie_weights,
+                                                          logit_soft_cap=logit_soft_cap)
+        self.hidden = keras.layers.Dense(4, activation="tanh")
+
+    def call(self, ids):
+        return self.embedding(self.hidden(self.embedding(ids)), reverse=True)
+
+
+def token_loss(y, logits):
+    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), axis=-1)
+
+
+@pytest.mark.parametrize("tie_weights, soft_cap", [(True, None), (True, 2.0), (False, None)])
+def test_reversible_embedding_matches_loop(tie_weights, soft_cap):
+    lm = TiedLanguageModel(tie_weights, soft_cap)
+    inputs = keras.Input((5,), dtype="int32")
+    model = keras.Model(inputs, lm(inputs))
+    assert ghost_rule_for(lm.embedding) is not None  # lookup × projection cross terms in the rule
+    ids = np.random.randint(0, 11, (BATCH, 5)).astype("int32")
+    ids[0, :3] = 2
+    assert_ghost_matches_loop(model, ids, np.roll(ids, -1, axis=1), token_loss)

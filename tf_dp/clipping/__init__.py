@@ -5,6 +5,7 @@ from tf_dp.clipping import dense as _dense  # noqa: F401  (registers the Dense r
 from tf_dp.clipping import einsum_dense as _einsum_dense  # noqa: F401  (EinsumDense, so MultiHeadAttention)
 from tf_dp.clipping import embedding as _embedding  # noqa: F401  (registers the Embedding rule)
 from tf_dp.clipping import layer_normalization as _layer_norm  # noqa: F401  (LayerNormalization rule)
+from tf_dp.clipping import reversible_embedding as _reversible_embedding  # noqa: F401  (keras-hub tied embeddings, by name)
 from tf_dp.clipping.clip import clip_factors
 from tf_dp.clipping.engine import CURRENT_WEIGHTS, ENGINES, ClippedBatch, EvaluationPoint, clipped_gradient_sum, forward
 from tf_dp.clipping.per_example import per_example_gradients

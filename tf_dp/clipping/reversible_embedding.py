@@ -1,0 +1,134 @@
+"""Ghost rule for ``keras.layers.ReversibleEmbedding`` (and keras-hub's older one): one table E ∈ R^{V×d} used for the
+token lookup and, with ``reverse=True``, for the output projection (tied input/output
+embeddings of GPT-2, Gemma, Llama, BART, T5 causal LMs).
+
+Per example i, lookups z_it = E[id_it] with output gradients s_it ∈ R^d, projections
+logits_iu = h_iu Eᵀ with inputs h_iu ∈ R^d and output gradients e_iu ∈ R^V:
+
+    G_lookup,i = Σ_t 1_{id_it} s_itᵀ,   G_proj,i = Σ_u e_iuᵀ h_iu,   g_i = G_lookup,i + G_proj,i
+
+    ‖g_i‖² = Σ_{t,t'} [id_it = id_it'] (s_it·s_it')
+           + Σ_{u,u'} (h_iu·h_iu')(e_iu·e_iu')
+           + 2 Σ_{t,u} e_iu[id_it] (h_iu·s_it)               (ALGORITHMS §6, the cross term)
+
+all three in float64, clipped against U_i = sqrt(max(Ñ_i², 0) + γ_G M_i²) + γ_R M_i with
+M_i = Σ_t ‖s_it‖ + Σ_u ‖h_iu‖‖e_iu‖ ≥ ‖g_i‖ (rounding.py; every Gram term is bounded by a
+product of two of M's terms, so the terms' absolute sum is ≤ M_i²). The clipped sum is
+scatter(c_i s_it → row id_it) + Σ_i c_i e_iᵀ h_i, in float64.
+
+With ``tie_weights=False`` the projection has its own table R ∈ R^{d×V}: a Dense contribution
+without bias, and the lookups an Embedding contribution; their norms add (distinct
+variables). keras-hub's own class is matched by name, so tf_dp never imports keras-hub.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tf_dp.clipping import rounding
+from tf_dp.clipping.clip import sum_over_examples
+from tf_dp.clipping.dense import dense_contribution
+from tf_dp.clipping.embedding import EmbeddingContribution
+from tf_dp.clipping.lora import lora_enabled
+from tf_dp.clipping.registry import (CombinedContribution, Contribution, GhostRule, Recording,
+                                     register_ghost_rule, register_ghost_rule_by_name)
+
+LOOKUP, PROJECTION = "lookup", "projection"
+
+
+def _sequence(tensor, width) -> tf.Tensor:
+    """[P, ..., width] → [P, T, width]."""
+    tensor = tf.convert_to_tensor(tensor)
+    return tf.reshape(tensor, tf.stack([tf.shape(tensor)[0], -1, width]))
+
+
+class TiedEmbeddingContribution(Contribution):
+    """g_i = G_lookup,i + G_proj,i of one tied table (module docstring), float64."""
+
+    def __init__(self, ids, s, h, e, vocabulary_size: int):
+        self.ids = ids  # [P, T1] int64
+        self.s, self.h, self.e = (tf.cast(t, tf.float64) for t in (s, h, e))  # [P,T1,d], [P,T2,d], [P,T2,V]
+        self.vocabulary_size = vocabulary_size
+
+    def squared_norms(self):
+        same_id = tf.cast(tf.equal(self.ids[:, :, None], self.ids[:, None, :]), tf.float64)
+        lookup = tf.reduce_sum(same_id * tf.einsum("ptd,pud->ptu", self.s, self.s), axis=[1, 2])
+        projection = tf.reduce_sum(tf.einsum("ptd,pud->ptu", self.h, self.h) *
+                                   tf.einsum("ptv,puv->ptu", self.e, self.e), axis=[1, 2])
+        e_at_ids = tf.gather(self.e, self.ids, axis=2, batch_dims=1)  # [P, T2, T1]: e_iu[id_it]
+        cross = tf.reduce_sum(e_at_ids * tf.einsum("pud,ptd->put", self.h, self.s), axis=[1, 2])
+        scale = tf.reduce_sum(rounding.row_norms(self.s), axis=1) + tf.reduce_sum(
+            rounding.row_norms(self.h) * rounding.row_norms(self.e), axis=1)  # M_i
+        steps = tf.shape(self.s)[1] + tf.shape(self.h)[1]
+        gram_terms = steps * steps + tf.shape(self.s)[2] + tf.shape(self.e)[2] + 1
+        return tf.square(rounding.certified_norm(lookup + projection + 2.0 * cross, scale, gram_terms, steps + 2))
+
+    def weighted_sums(self, clip_factors):
+        c = tf.cast(clip_factors, tf.float64)
+        return [tf.cast(t, tf.float32) for t in sum_over_examples(self._weighted_sum, c, self.s, self.h, self.e)]
+
+    def _weighted_sum(self, c, s, h, e):
+        """[Σ_i c_i g_i]: rows c_i s_it added at id_it, plus (c ⊙ e)ᵀ h over all positions."""
+        width = tf.shape(s)[-1]
+        rows = tf.math.unsorted_segment_sum(tf.reshape(s * c[:, None, None], [-1, width]),
+                                            tf.reshape(self.ids, [-1]), self.vocabulary_size)
+        weighted_e = tf.reshape(e * c[:, None, None], [-1, tf.shape(e)[-1]])
+        return [rows + tf.matmul(weighted_e, tf.reshape(h, [-1, width]), transpose_a=True)]
+
+
+class ReversibleEmbeddingRule(GhostRule):
+    def applies_to(self, layer) -> bool:
+        tables = [layer.embeddings] + ([] if layer.tie_weights else [layer.reverse_embeddings])
+        return (getattr(layer, "quantization_mode", None) is None and not lora_enabled(layer)
+                and getattr(layer, "reverse_dtype", None) is None and all(t.trainable for t in tables))
+
+    def accepts_call(self, layer, args, kwargs) -> bool:
+        return super().accepts_call(layer, args, kwargs) and isinstance(kwargs.get("reverse", False), bool) \
+            and (len(args) < 2 or isinstance(args[1], bool))
+
+    def variables(self, layer):
+        return [layer.embeddings] + ([] if layer.tie_weights else [layer.reverse_embeddings])
+
+    def tapped_call(self, layer, original_call, recordings, inputs, reverse=False):
+        if not reverse:
+            ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
+            z = keras.ops.take(layer.embeddings, ids, axis=0)
+            recordings.append(Recording(ids, [z], extras=LOOKUP))
+            return keras.ops.cast(z, layer.compute_dtype)
+        kernel = keras.ops.transpose(layer.embeddings) if layer.tie_weights else layer.reverse_embeddings
+        logits = keras.ops.matmul(inputs, kernel)
+        recordings.append(Recording(inputs, [logits], extras=PROJECTION))
+        if layer.logit_soft_cap is not None:
+            logits = keras.ops.multiply(keras.ops.tanh(keras.ops.divide(logits, layer.logit_soft_cap)),
+                                        layer.logit_soft_cap)
+        return logits
+
+    def contribution(self, layer, recordings, output_grads):
+        width, vocabulary = layer.output_dim, layer.input_dim
+        ids, s, h, e = [], [], [], []
+        for recording, (grad,) in zip(recordings, output_grads):
+            grad = tf.zeros_like(recording.watched[0]) if grad is None else grad
+            batch = tf.shape(grad)[0]
+            if recording.extras == LOOKUP:
+                ids.append(tf.reshape(tf.cast(recording.inputs, tf.int64), tf.stack([batch, -1])))
+                s.append(_sequence(grad, width))
+            else:
+                h.append(_sequence(recording.inputs, width))
+                e.append(_sequence(grad, vocabulary))
+        batch = tf.shape(output_grads[0][0] if output_grads[0][0] is not None else recordings[0].watched[0])[0]
+        ids = tf.concat(ids, 1) if ids else tf.zeros(tf.stack([batch, 0]), tf.int64)
+        s = tf.concat([tf.cast(t, tf.float32) for t in s], 1) if s else tf.zeros(tf.stack([batch, 0, width]))
+        h = tf.concat([tf.cast(t, tf.float32) for t in h], 1) if h else tf.zeros(tf.stack([batch, 0, width]))
+        e = tf.concat([tf.cast(t, tf.float32) for t in e], 1) if e else tf.zeros(tf.stack([batch, 0, vocabulary]))
+        if layer.tie_weights:
+            return TiedEmbeddingContribution(ids, s, h, e, vocabulary)
+        lookup = EmbeddingContribution(ids, s, vocabulary)
+        projection = dense_contribution([h], [e], has_bias=False)
+        return CombinedContribution([lookup, projection], [tuple(v.shape) for v in self.variables(layer)])
+
+
+_RULE = ReversibleEmbeddingRule()
+if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras ≥ 3.12 (what keras-hub 0.32 uses)
+    register_ghost_rule(keras.layers.ReversibleEmbedding, _RULE)
+register_ghost_rule_by_name("keras_hub.src.layers.modeling.reversible_embedding.ReversibleEmbedding", _RULE)
