@@ -99,7 +99,8 @@ def efficientnet_backbone():
     import keras_hub
     return keras_hub.models.EfficientNetBackbone(
         stackwise_kernel_sizes=[3, 3], stackwise_num_repeats=[1, 1], stackwise_input_filters=[8, 8],
-        stackwise_output_filters=[8, 16], stackwise_expansion_ratios=[1, 2], stackwise_squeeze_and_excite_ratios=[0.0, 0.25],
+        stackwise_output_filters=[8, 16], stackwise_expansion_ratios=[1, 2],
+        stackwise_squeeze_and_excite_ratios=[0.0, 0.25],
         stackwise_strides=[1, 2], stackwise_block_types=["v1", "v1"], stackwise_width_coefficients=[1.0, 1.0],
         stackwise_depth_coefficients=[1.0, 1.0], input_shape=(16, 16, 3), num_features=32,
         stackwise_force_input_filters=[0, 0], stackwise_nores_option=[False, False])

@@ -48,7 +48,8 @@ def loop_reference(model, loss, x, y, w, clip):
         with tf.GradientTape() as tape:
             value = loss(y[i:i + 1], model(x[i:i + 1], training=True),
                          sample_weight=None if w is None else w[i:i + 1])
-        grads = [np.asarray(tf.convert_to_tensor(g), np.float64) for g in tape.gradient(value, model.trainable_variables)]
+        grads = [np.asarray(tf.convert_to_tensor(g), np.float64)
+                 for g in tape.gradient(value, model.trainable_variables)]
         norm = np.sqrt(sum(np.sum(g ** 2) for g in grads))
         norms.append(norm)
         factor = min(1.0, clip / norm) if norm > 0 else 1.0

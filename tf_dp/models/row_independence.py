@@ -108,7 +108,8 @@ def _row_values(model, per_example_loss, batch, training: bool, draw: int = 0) -
         outputs = model(x, training=training)
         values = [("output", np.asarray(o)) for o in tf.nest.flatten(outputs)]
         if per_example_loss is not None and y is not None:
-            values.append(("loss", np.asarray(per_example_loss(tf.nest.map_structure(tf.convert_to_tensor, y), outputs))))
+            targets = tf.nest.map_structure(tf.convert_to_tensor, y)
+            values.append(("loss", np.asarray(per_example_loss(targets, outputs))))
     return values
 
 

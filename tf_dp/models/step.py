@@ -83,7 +83,8 @@ class DPTrainStep:
         (ℓ_i = weighted loss of example i, see tf_dp.models.losses): the sensitivity stays C."""
         if where == "dataset" and sample_weight is not None:
             raise ValueError("`sample_weight` cannot be passed with a dataset: yield (x, y, sample_weight) elements.")
-        if (sample_weight is not None or class_weight is not None) and type(self).train_step is not DPTrainStep.train_step:
+        weighted = sample_weight is not None or class_weight is not None
+        if weighted and type(self).train_step is not DPTrainStep.train_step:
             raise ValueError(f"`sample_weight`/`class_weight` are supported by DPModel's own train step; "
                              f"{type(self).__name__} overrides train_step.")
         if sample_weight is not None and class_weight is not None:

@@ -150,7 +150,8 @@ def fix(model):
         print(f"tf_dp.fix: replaced BatchNormalization {name} by GroupNormalization.")
     remaining = validate(copy)
     if remaining:
-        raise ValueError("tf_dp.fix replaces BatchNormalization only; it cannot repair:\n  - " + "\n  - ".join(remaining))
+        raise ValueError("tf_dp.fix replaces BatchNormalization only; it cannot repair:\n  - "
+                         + "\n  - ".join(remaining))
     return copy
 
 
