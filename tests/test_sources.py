@@ -267,3 +267,56 @@ def test_sources_need_a_y_or_a_record_pair():
         model().fit(np.zeros((10, FEATURES), "float32"), batch_size=2)
     with pytest.raises(ValueError, match="`transform` needs"):
         model().fit(np.zeros((10, FEATURES), "float32"), np.zeros(10, "int32"), transform=lambda r: r, batch_size=2)
+
+
+def test_each_worker_reads_only_its_replicas_slice_of_the_global_batch():
+    """2 worker processes on localhost (as tests/test_multi_worker.py): one global Poisson
+    batch per step; each worker reads from the shared source only the chunks of its own
+    replica — disjoint, together the whole batch — and training equals one device."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    from test_multi_worker import _free_ports
+
+    worker = pathlib.Path(__file__).with_name("sources_multi_worker_worker.py")
+    cluster = {"worker": [f"localhost:{port}" for port in _free_ports(2)]}
+    processes = [subprocess.Popen([sys.executable, str(worker)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env={**os.environ, "TF_CONFIG": json.dumps(
+                                      {"cluster": cluster, "task": {"type": "worker", "index": index}})})
+                 for index in range(2)]
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=600)
+            assert process.returncode == 0, stderr[-3000:]
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for process in processes:
+            process.kill()
+    results.sort(key=lambda r: r["worker"])
+    sampler = PoissonSampler(96, 16, None, 9, chunk_multiple=2)
+
+    from collections import Counter
+
+    def slot(worker, steps, counts=False):
+        out = Counter()
+        for t in steps:
+            indices, mask = sampler.batch(t)
+            width = len(mask) // 2
+            part = slice(worker * width, (worker + 1) * width)
+            out.update(int(i) for i in indices[part][mask[part] == 1])
+        return out if counts else set(out)
+
+    for w, result in enumerate(results):
+        loaded = Counter(result["loaded"])
+        done = 0  # the steps whose slice this worker read completely
+        while slot(w, range(done + 1), counts=True) <= loaded:
+            done += 1
+        assert done >= 3  # the 3 steps trained (and what the pipeline prefetched) ...
+        rest = loaded - slot(w, range(done), counts=True)
+        assert rest <= slot(w, range(done, done + 16), counts=True)  # ... and nothing but this worker's chunks
+        assert result["max_difference"] < 1e-5 and result["steps"] == 3
+    first = [set(r["loaded"]) & slot(r["worker"], range(3)) for r in results]
+    assert not (first[0] & first[1]) and first[0] | first[1] == slot(0, range(3)) | slot(1, range(3))
