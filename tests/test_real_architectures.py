@@ -176,3 +176,86 @@ def test_reversible_embedding_matches_loop(tie_weights, soft_cap):
     ids = np.random.randint(0, 11, (BATCH, 5)).astype("int32")
     ids[0, :3] = 2
     assert_ghost_matches_loop(model, ids, np.roll(ids, -1, axis=1), token_loss)
+
+
+class HandTiedProjection(keras.layers.Layer):
+    """logits = h Eᵀ, reading another layer's embedding table by hand."""
+
+    def __init__(self, embedding):
+        super().__init__()
+        self.embedding = embedding
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+
+def test_weight_shared_by_hand_is_refused_naming_the_variable():
+    # Today's alternative would be a silently wrong norm (the projection's use of E is
+    # invisible to the Embedding rule: 20 % error); the tap refuses and names E.
+    embedding = keras.layers.Embedding(11, 4)
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Dense(4, activation="tanh")(embedding(inputs))
+    model = keras.Model(inputs, HandTiedProjection(embedding)(hidden))
+    ids = np.random.randint(0, 11, (BATCH, 5)).astype("int32")
+    with pytest.raises(ValueError, match=r"embeddings.*is also read by the call of layer|is also read"):
+        clipped_gradient_sum(model, token_loss, tf.constant(ids), tf.constant(np.roll(ids, -1, 1)), tf.ones(BATCH), 1.0)
+
+
+def uses_rule(model, layer_type):
+    layers = [layer for layer in model._flatten_layers() if isinstance(layer, layer_type)]
+    return layers and all(ghost_rule_for(layer) is not None for layer in layers)
+
+
+def test_general_einsum_dense_equations_match_loop():
+    inputs = keras.Input((3, 4))
+    query = keras.layers.EinsumDense("btd,ndh->btnh", output_shape=(3, 2, 5), bias_axes="nh")(inputs)
+    back = keras.layers.EinsumDense("btnh,nhd->btd", output_shape=(3, 4), bias_axes="d")(keras.ops.tanh(query))
+    spread = keras.layers.EinsumDense("...d,ndh->...nh", output_shape=(2, 3))(back)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(keras.layers.Flatten()(spread)))
+    assert uses_rule(model, keras.layers.EinsumDense)
+    assert_ghost_matches_loop(model, np.random.randn(BATCH, 3, 4).astype("float32"))
+
+
+def test_rms_and_group_normalization_rules_match_loop():
+    inputs = keras.Input((4, 4, 6))
+    hidden = keras.layers.Conv2D(6, 3, padding="same")(inputs)
+    hidden = keras.layers.GroupNormalization(groups=3)(hidden)
+    hidden = keras.layers.RMSNormalization()(keras.layers.Dense(5)(hidden))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(keras.layers.Flatten()(hidden)))
+    assert uses_rule(model, keras.layers.GroupNormalization) and uses_rule(model, keras.layers.RMSNormalization)
+    model.layers[2].gamma.assign(np.random.randn(6).astype("float32"))  # non-trivial γ
+    assert_ghost_matches_loop(model, np.random.randn(BATCH, 4, 4, 6).astype("float32"))
+
+
+@pytest.mark.parametrize("strides, padding, dilation", [(1, "same", 1), (2, "valid", 1), (1, "valid", 2)])
+def test_depthwise_conv2d_rule_matches_loop(strides, padding, dilation):
+    inputs = keras.Input((7, 7, 3))
+    hidden = keras.layers.DepthwiseConv2D(3, strides=strides, padding=padding, depth_multiplier=2,
+                                          dilation_rate=dilation, activation="tanh")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(keras.layers.Flatten()(hidden)))
+    assert uses_rule(model, keras.layers.DepthwiseConv2D) == (dilation == 1)  # dilated: per-example replay
+    assert_ghost_matches_loop(model, np.random.randn(BATCH, 7, 7, 3).astype("float32"))
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_per_example_gradient_norms_per_layer_and_total(engine):
+    from tf_dp.clipping import per_example_gradient_norms
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Embedding(11, 4, name="embed")(inputs)
+    hidden = keras.layers.LSTM(3, name="rnn")(keras.layers.Dense(4, activation="tanh", name="mix")(hidden))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(hidden))
+    x = np.random.randint(0, 11, (BATCH, 5)).astype("int32")
+    y = np.random.randint(0, CLASSES, BATCH).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    total, per_layer = per_example_gradient_norms(model, loss, tf.constant(x), tf.constant(y), engine=engine)
+    per_example = loop_per_example_gradients(model, x, y)
+    np.testing.assert_allclose(total.numpy(), flat_norms(per_example), rtol=1e-4)
+    owners = {}
+    for layer in model._flatten_layers():
+        for variable in layer._trainable_variables:
+            owners[id(variable)] = layer.name
+    assert set(per_layer) == set(owners.values()) == {"embed", "mix", "lstm_cell", "head"}
+    for name, norms in per_layer.items():
+        want = [np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for v, g in zip(model.trainable_variables, grads)
+                            if owners[id(v)] == name)) for grads in per_example]
+        np.testing.assert_allclose(norms.numpy(), want, rtol=1e-4)

@@ -6,12 +6,16 @@ from tf_dp.clipping import einsum_dense as _einsum_dense  # noqa: F401  (EinsumD
 from tf_dp.clipping import embedding as _embedding  # noqa: F401  (registers the Embedding rule)
 from tf_dp.clipping import layer_normalization as _layer_norm  # noqa: F401  (LayerNormalization rule)
 from tf_dp.clipping import reversible_embedding as _reversible_embedding  # noqa: F401  (keras-hub tied embeddings, by name)
+from tf_dp.clipping import normalization as _normalization  # noqa: F401  (RMSNormalization, GroupNormalization, keras-hub norms)
+from tf_dp.clipping import position_embedding as _position_embedding  # noqa: F401  (keras-hub PositionEmbedding, by name)
+from tf_dp.clipping import depthwise_conv as _depthwise_conv  # noqa: F401  (DepthwiseConv2D rule)
 from tf_dp.clipping.clip import clip_factors
 from tf_dp.clipping.engine import CURRENT_WEIGHTS, ENGINES, ClippedBatch, EvaluationPoint, clipped_gradient_sum, forward
+from tf_dp.clipping.norms import per_example_gradient_norms
 from tf_dp.clipping.per_example import per_example_gradients
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, ghost_rule_for, register_ghost_rule
 
 __all__ = [
     "CURRENT_WEIGHTS", "ENGINES", "ClippedBatch", "EvaluationPoint", "forward", "Contribution", "GhostRule", "Recording", "clip_factors",
-    "clipped_gradient_sum", "ghost_rule_for", "per_example_gradients", "register_ghost_rule",
+    "clipped_gradient_sum", "ghost_rule_for", "per_example_gradient_norms", "per_example_gradients", "register_ghost_rule",
 ]

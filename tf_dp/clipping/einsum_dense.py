@@ -5,6 +5,15 @@ appends the kernel's remaining axes — ``"abc,cde->abde"`` (query/key/value pro
 ``"abcd,cde->abe"`` (attention output), ``"ab,bc->ac"`` — the layer is a Dense layer on
 flattened axes: a_it = x_i[t, contracted] ∈ R^C, z_it = a_it W + b with W the kernel
 reshaped to [C, K]. The Dense sequence rule then gives norms and clipped sums.
+
+Any other equation whose batch axis b (the input's first axis) is kept in the output and
+absent from the kernel — Gemma's "btd,ndh->btnh", "btnh,nhd->btd", "...", a bias on a
+non-output axis ("abc,cd->abd", bias_axes="b") — gets explicit per-example gradients:
+
+    ∂ℓ_i/∂W = einsum("x,o->k") restricted to example i = einsum("x,o->bk", x, s)[i],
+    ∂ℓ_i/∂bias = s_i summed over the output axes the bias is broadcast along,
+
+[P, *kernel shape], clipped by the norm of exactly those released tensors (rounding.py).
 """
 
 from __future__ import annotations
@@ -40,19 +49,78 @@ def dense_form(equation: str) -> Optional[tuple[int, int]]:
     return len(contracted), len(new)
 
 
+def per_example_equation(equation: str) -> Optional[str]:
+    """"x,o->bk": the per-example kernel gradient's einsum (b the input's first axis), with an
+    ellipsis written as two explicit axes (batch, rest) — None if b is not an example axis."""
+    inputs, output = equation.replace(" ", "").split("->")
+    x, kernel = inputs.split(",")
+    if "..." in x:
+        if not (x.startswith("...") and output.startswith("...")) or "." in x[3:] + kernel + output[3:]:
+            return None
+        free = [c for c in "ZYXWVUTS" if c not in equation][:2]
+        x, output = "".join(free) + x[3:], "".join(free) + output[3:]
+    elif "." in kernel + output:
+        return None
+    batch = x[0]
+    if batch in kernel or batch not in output or output[0] != batch:
+        return None
+    return f"{x},{output}->{batch}{kernel}"
+
+
+def _with_ellipsis_axes(equation: str, tensor: tf.Tensor, explicit: int) -> tf.Tensor:
+    """[B, *E, *rest] → [B, prod(E), *rest] when the equation has an ellipsis (``explicit``:
+    the number of explicit axes after it)."""
+    if "..." not in equation:
+        return tensor
+    shape = tf.shape(tensor)
+    rest = shape[tf.rank(tensor) - explicit:] if explicit else shape[:0]
+    return tf.reshape(tensor, tf.concat([shape[:1], [-1], rest], axis=0))
+
+
+def per_example_bias_grads(s: tf.Tensor, bias_shape: tuple) -> tf.Tensor:
+    """[P, *bias shape]: s summed over the output axes the bias is broadcast along (the
+    leading ones it does not reach and those where its size is 1)."""
+    rank, bias_rank = s.shape.rank, len(bias_shape)
+    leading = list(range(1, rank - bias_rank))
+    s = tf.reduce_sum(s, axis=leading) if leading else s
+    ones = [1 + j for j, size in enumerate(bias_shape) if size == 1]
+    return tf.reduce_sum(s, axis=ones, keepdims=True) if ones else s
+
+
+class GeneralEinsumContribution(MaterializedContribution):
+    """Explicit per-example gradients of any EinsumDense equation with an example axis."""
+
+    def __init__(self, layer, recordings, grads, has_bias: bool):
+        equation = per_example_equation(layer.equation)
+        x_axes = layer.equation.replace(" ", "").split(",")[0]
+        out_axes = layer.equation.replace(" ", "").split("->")[1]
+        kernel, bias = 0.0, 0.0
+        for recording, grad in zip(recordings, grads):
+            x = _with_ellipsis_axes(layer.equation, tf.cast(recording.inputs, tf.float32), len(x_axes.replace("...", "")))
+            s = tf.cast(grad, tf.float32)
+            kernel += tf.einsum(equation, x, _with_ellipsis_axes(layer.equation, s, len(out_axes.replace("...", ""))))
+            if has_bias:
+                bias += per_example_bias_grads(s, tuple(layer.bias.shape))
+        super().__init__([kernel] + ([bias] if has_bias else []))
+
+
 class EinsumDenseRule(GhostRule):
     def applies_to(self, layer) -> bool:
         form = dense_form(layer.equation)
         kernel = getattr(layer, "_kernel", None)
-        if form is None or kernel is None or getattr(layer, "quantization_mode", None) is not None:
+        if kernel is None or getattr(layer, "quantization_mode", None) is not None:
             return False
+        if form is None:  # general equation: explicit per-example gradients
+            return not lora_enabled(layer) and kernel.trainable and per_example_equation(layer.equation) is not None
         if lora_enabled(layer):
             if form[1] == 0:  # B would act on a contracted axis: not this Dense form
                 return False
         elif not kernel.trainable:
             return False
         new_shape = tuple(kernel.shape[form[0]:])
-        return layer.bias is None or tuple(layer.bias.shape) == new_shape  # bias over the new axes only
+        if layer.bias is None or tuple(layer.bias.shape) == new_shape:  # bias over the new axes only
+            return True
+        return not lora_enabled(layer) and per_example_equation(layer.equation) is not None  # general route
 
     def _has_bias(self, layer) -> bool:
         return layer.bias is not None and layer.bias.trainable
@@ -71,6 +139,9 @@ class EinsumDenseRule(GhostRule):
         return layer.activation(z) if layer.activation is not None else z
 
     def contribution(self, layer, recordings, output_grads):
+        if not _dense_form_applies(layer):
+            grads = [tf.zeros_like(r.watched[0]) if g is None else g for r, (g,) in zip(recordings, output_grads)]
+            return GeneralEinsumContribution(layer, recordings, grads, self._has_bias(layer))
         contracted, _ = dense_form(layer.equation)
         if lora_enabled(layer):
             grads = [tf.zeros_like(r.watched[0]) if g is None else g for r, (g,) in zip(recordings, output_grads)]
@@ -87,6 +158,11 @@ class EinsumDenseRule(GhostRule):
         dense = DenseContribution(tf.concat(activations, axis=1), tf.concat(grads, axis=1), self._has_bias(layer),
                                   flat=False)
         return CombinedContribution([dense], [tuple(v.shape) for v in self.variables(layer)])
+
+
+def _dense_form_applies(layer) -> bool:
+    form = dense_form(layer.equation)
+    return form is not None and (layer.bias is None or tuple(layer.bias.shape) == tuple(layer.kernel.shape[form[0]:]))
 
 
 register_ghost_rule(keras.layers.EinsumDense, EinsumDenseRule())

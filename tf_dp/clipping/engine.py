@@ -125,7 +125,7 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_
     # Every point's forward pass records into the same taps; a layer's recordings are
     # concatenated along its sequence axis, so the cross terms between points (and
     # between repeated calls of a shared layer) enter the per-example norm exactly.
-    tap = LayerTap(_trainable_units(model), use_ghost_rules=use_ghost_rules)
+    tap = LayerTap(_trainable_units(model), use_ghost_rules=use_ghost_rules, batch_size=tf.shape(mask)[0])
     with tap:
         with tf.GradientTape() as tape:
             for point in points:  # weight tensors, unlike variables, are not watched by default

@@ -1,7 +1,8 @@
 """Per-example gradients of the whole model by ``tf.vectorized_map`` (the reference path).
 
 Materialises g_i = ∂ℓ(θ; x_i)/∂θ for every example: exact for any model whose examples do
-not interact, and memory-bound (P copies of the gradient). The fast engine
+not interact (a per-example ``tf.map_fn`` where ``vectorized_map`` cannot convert the
+model, e.g. recurrent layers), and memory-bound (P copies of the gradient). The fast engine
 (``tf_dp.clipping.engine``) must agree with it.
 """
 
@@ -13,6 +14,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp.clipping.kernels import require_grouped_conv_kernels
+from tf_dp.clipping.layer_per_example import per_example_map
 
 
 def per_example_gradients(
@@ -33,4 +35,5 @@ def per_example_gradients(
         grads = tape.gradient(loss, values)
         return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, values)]
 
-    return tf.vectorized_map(one_example, (x, y))
+    signature = [tf.TensorSpec(v.shape, v.dtype) for v in values]
+    return per_example_map(one_example, (x, y), signature, model.name)  # map_fn where pfor cannot convert

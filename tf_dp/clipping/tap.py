@@ -17,6 +17,12 @@ of shape [1, T], broadcast to the batch by the next op) sends every example's gr
 through the same output; its per-example gradients are those of the broadcast copies, so
 the tap broadcasts such inputs to the batch first, and example i's gradient flows through
 its own slice.
+
+Shared weights: a variable of a tapped layer read while another layer's call (or no
+tapped call) is running — logits = h Eᵀ written by hand with another layer's table —
+is a use no rule sees; its per-example gradient would miss that use's term. The tap notes
+every such read and refuses the pass, naming the variable (tied embeddings through
+``ReversibleEmbedding(reverse=True)`` are one layer's calls and handled exactly).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import functools
 
 import tensorflow as tf
+from keras.src.backend.common import variables as keras_variables
 
 from tf_dp.clipping.layer_per_example import LayerPerExampleRule, is_batched
 from tf_dp.clipping.registry import GhostRule, ghost_rule_for
@@ -45,17 +52,56 @@ class LayerTap:
         self.replayed = set()  # ids of layers with a call their rule does not model
         self.batch_size = batch_size
         self._paused = False
+        self._owners = {id(v): layer for layer, _ in self.units for v in self.fallback.variables(layer)}
+        self._running: list = []  # the tapped calls in progress, innermost last
+        self.foreign_reads: dict[int, tuple] = {}  # id(variable) → (variable, owner, reader)
+        self._original_value = None
 
     def __enter__(self):
         for layer, rule in self.units:
             original_call = type(layer).call.__get__(layer)
             object.__setattr__(layer, "call", self._recording_call(layer, rule, original_call))
+        self._watch_variable_reads()
         return self
 
     def __exit__(self, *exc):
         for layer, _ in self.units:
             layer.__dict__.pop("call", None)
+        if self._original_value is not None:
+            keras_variables.Variable.value = self._original_value
+            self._original_value = None
         return False
+
+    def _watch_variable_reads(self):
+        """Wraps Keras' ``Variable.value`` (every read of a Keras variable goes through it)
+        to note reads of a tapped layer's variable outside that layer's own call."""
+        original = keras_variables.Variable.value
+        tap = self
+
+        def value(variable):
+            tap._note_read(variable)
+            return original.fget(variable)
+
+        self._original_value = original
+        keras_variables.Variable.value = property(value)
+
+    def _note_read(self, variable):
+        owner = self._owners.get(id(variable))
+        if owner is None or self._paused:
+            return
+        reader = self._running[-1] if self._running else None
+        if reader is not owner:
+            self.foreign_reads.setdefault(id(variable), (variable, owner, reader))
+
+    def check_no_foreign_reads(self):
+        """Raises, naming the variable, if a tapped layer's variable was used outside its call."""
+        for variable, owner, reader in self.foreign_reads.values():
+            where = f"the call of layer {reader.name!r}" if reader is not None else "code outside any tapped layer"
+            raise ValueError(
+                f"Variable {variable.path!r} of layer {owner.name!r} is also read by {where} (a weight shared by "
+                f"hand). Ghost clipping would miss that use's part of the per-example gradient. Tie embeddings "
+                f"with keras.layers.ReversibleEmbedding(..., reverse=True), register a GhostRule for the reading "
+                f"layer that accounts for the variable, or use clipping_engine='vectorized'.")
 
     def _recording_call(self, layer, rule, original_call):
         recordings = self.recordings[id(layer)]
@@ -64,6 +110,13 @@ class LayerTap:
         def call(*args, **kwargs):
             if self._paused:
                 return original_call(*args, **kwargs)
+            self._running.append(layer)
+            try:
+                return record(*args, **kwargs)
+            finally:
+                self._running.pop()
+
+        def record(*args, **kwargs):
             args, kwargs = self._with_example_axis(args, kwargs)
             use = rule
             if rule is not self.fallback and not rule.accepts_call(layer, args, kwargs):
@@ -108,6 +161,7 @@ class LayerTap:
             self._paused = previous
 
     def watched_tensors(self) -> list:
+        self.check_no_foreign_reads()
         return [t for layer, _ in self.units for r in self.recordings[id(layer)] for t in r.watched]
 
     def contributions(self, output_grads: list):
