@@ -1,6 +1,6 @@
 """Rules for normalizations with a per-feature scale γ (and offset β) on the last axis:
 ``keras.layers.RMSNormalization``, ``keras.layers.GroupNormalization`` (channels last),
-keras-hub's Gemma ``RMSNormalization`` (z = x̂ ⊙ (1 + γ)) and ``LlamaLayerNorm``.
+keras-hub's Gemma ``RMSNormalization`` (z = x̂ ⊙ (1 + γ)), ``LlamaLayerNorm`` and ``T5LayerNorm``.
 
 z_it = x̂_it ⊙ γ + β (or x̂_it ⊙ (1 + γ)) with x̂ the normalised input (RMS: x / rms(x); group:
 (x − μ_group) / σ_group). Per example, over its positions t (sequence or spatial):
@@ -108,8 +108,16 @@ class GemmaRMSNormalizationRule(KerasRMSNormalizationRule):
     scale_offset = 1.0
 
 
+class T5LayerNormRule(KerasRMSNormalizationRule):
+    """keras-hub T5LayerNorm: x / rms(x) ⊙ w, its scale named ``weight``."""
+
+    def scale(self, layer):
+        return layer.weight
+
+
 register_ghost_rule(keras.layers.RMSNormalization, KerasRMSNormalizationRule())
 register_ghost_rule(keras.layers.GroupNormalization, GroupNormalizationRule())
 register_ghost_rule_by_name("keras_hub.src.models.gemma.rms_normalization.RMSNormalization",
                             GemmaRMSNormalizationRule())
 register_ghost_rule_by_name("keras_hub.src.models.llama.llama_layernorm.LlamaLayerNorm", KerasRMSNormalizationRule())
+register_ghost_rule_by_name("keras_hub.src.models.t5.t5_layer_norm.T5LayerNorm", T5LayerNormRule())
