@@ -6,10 +6,12 @@ gradient a non-private step computes instead, per Conv2D layer of the tutorial C
 
 Routes (all exact): a grouped convolution's filter gradient with the examples as groups
 (tf_dp's route for C_in = 1 where the kernel exists: oneDNN on), a depthwise filter gradient
-with the examples as channels (C_in = 1 without oneDNN), unfolded patches with explicit
-A_iᵀS_i and with Gram-form norms, both in float64 with the rounding bound (tf_dp's routes
-for C_in > 1, chosen by FLOPs), and the float32 Gram form used before (unsafe under
-cancellation). The ratio to the batch filter gradient bounds what any of them can reach
+with the examples as channels (C_in = 1; runs without oneDNN, but slower there than
+unfolding: 71 ms against 49 ms at batch 256 on the tutorial CNN's first layer), unfolded
+patches with explicit
+A_iᵀS_i (tf_dp's route for C_in > 1 within the memory budget) and with float64 Gram-form
+norms (beyond it), both with their rounding bounds (tf_dp/clipping/rounding.py), and the
+float32 Gram form used before (unsafe under cancellation). The ratio to the batch filter gradient bounds what any of them can reach
 inside a DP step on this machine. Run with TF_ENABLE_ONEDNN_OPTS=0 to time the routes
 of CPUs where TensorFlow leaves oneDNN off (the grouped row is then skipped).
 Rounds alternate the routes; medians are reported. Prints a Markdown table, writes JSON.
@@ -44,6 +46,17 @@ def _batch_filter_gradient(layer, x, s):
                                                   [1, *strides, 1], layer.padding.upper())
 
 
+def _depthwise(layer, x, s):
+    """C_in = 1: the examples as the channels of one image, a depthwise filter gradient
+    (runs without oneDNN; slower than unfolding there, so tf_dp does not use it)."""
+    (kh, kw), strides, _ = conv._window(layer)
+    image = tf.transpose(x, [3, 1, 2, 0])
+    grads = tf.reshape(tf.transpose(s, [1, 2, 0, 3]), [1, s.shape[1], s.shape[2], -1])
+    stacked = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
+        image, [kh, kw, x.shape[0], layer.filters], grads, [1, *strides, 1], layer.padding.upper())
+    return tf.transpose(stacked, [2, 0, 1, 3])
+
+
 def _unfolded(layer, x, s, gram: bool) -> DenseContribution:
     contribution = DenseContribution(conv._patches(layer, x), tf.reshape(s, [x.shape[0], -1, layer.filters]), False,
                                      flat=False)
@@ -52,12 +65,12 @@ def _unfolded(layer, x, s, gram: bool) -> DenseContribution:
 
 
 def _explicit(layer, x, s):
-    """float64 A_iᵀS_i and their certified norms (tf_dp since the floating-point audit)."""
+    """Explicit A_iᵀS_i and their certified norms (tf_dp's form within EXPLICIT_FLOATS)."""
     return _unfolded(layer, x, s, gram=False).squared_norms()
 
 
 def _gram_norms(layer, x, s):
-    """float64 Gram norms plus the rounding bound (tf_dp's form)."""
+    """float64 Gram norms plus the rounding bound (tf_dp's form beyond EXPLICIT_FLOATS)."""
     return _unfolded(layer, x, s, gram=True).squared_norms()
 
 
@@ -70,9 +83,9 @@ def _gram_norms_float32(layer, x, s):
 ROUTES = {
     "batch filter gradient (non-private)": _batch_filter_gradient,
     "grouped conv filter gradient (tf_dp, C_in = 1, oneDNN)": conv._grouped_filter_gradient,
-    "depthwise filter gradient (tf_dp, C_in = 1, no oneDNN)": conv._depthwise_filter_gradient,
-    "patches + explicit A_iᵀS_i, float64 (tf_dp, C_in > 1)": _explicit,
-    "patches + Gram norms, float64 (tf_dp, C_in > 1)": _gram_norms,
+    "depthwise filter gradient (C_in = 1, runs without oneDNN)": _depthwise,
+    "patches + explicit A_iᵀS_i + bound (tf_dp, C_in > 1)": _explicit,
+    "patches + float64 Gram norms + bound (tf_dp beyond memory)": _gram_norms,
     "patches + Gram norms, float32 (unsafe, before)": _gram_norms_float32,
 }
 

@@ -13,14 +13,13 @@ call of the platform's convolution kernel. With more input channels unfolding wa
 here (``python benchmarks/conv_routes.py`` times every route; GPU costs unmeasured).
 
 Kernels: a grouped filter gradient runs only where TensorFlow has a kernel for it (on CPU:
-oneDNN on, see kernels.py; probed once per process). Without one, C_in = 1 takes the
-equivalent depthwise filter gradient (examples as channels), else the unfolded route.
+oneDNN on, see kernels.py; probed once per process). Without one, the unfolded route.
 A grouped layer (``groups = G``) is G Dense contributions, one per group g: input channels
 [g·C_in/G, (g+1)·C_in/G) to outputs [g·C_out/G, (g+1)·C_out/G); their norms add up and
 their kernel sums are concatenated along the output axis.
 
 Floating point (rounding.py): the unfolded route inherits the Dense form's certified norm;
-the grouped/depthwise routes clip the per-example kernel gradients they release by those
+the grouped route clips the per-example kernel gradients it releases by those
 gradients' own norm, which bounds the release by C whatever rounding the kernel did.
 """
 
@@ -70,21 +69,22 @@ _GROUPED_MAX_CHANNELS = 1
 
 def _per_example_kernel_grads(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
     """∂ℓ_i/∂W = A_iᵀS_i of every example, [P, *kernel shape], in groups of at most
-    _EXAMPLES_PER_CALL examples, by the grouped or depthwise filter gradient."""
+    _EXAMPLES_PER_CALL examples."""
     examples = inputs.shape[0]
-    route = _grouped_filter_gradient if _explicit_route(layer, examples) == "grouped" else _depthwise_filter_gradient
     if examples is None or examples <= _EXAMPLES_PER_CALL:
-        return route(layer, inputs, grads)
+        return _grouped_filter_gradient(layer, inputs, grads)
     sizes = [_EXAMPLES_PER_CALL] * (examples // _EXAMPLES_PER_CALL) + (
         [examples % _EXAMPLES_PER_CALL] if examples % _EXAMPLES_PER_CALL else [])
-    return tf.concat([route(layer, a, g) for a, g in zip(tf.split(inputs, sizes), tf.split(grads, sizes))], axis=0)
+    return tf.concat([_grouped_filter_gradient(layer, a, g)
+                      for a, g in zip(tf.split(inputs, sizes), tf.split(grads, sizes))], axis=0)
 
 
 def _grouped_filter_gradient(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
     """Per-example kernel gradients from ONE grouped convolution: the P examples laid side
     by side as the P groups of a single image with P·C_in channels (group p: example p's
     channels, mapped to its own C_out outputs). The filter gradient of that convolution,
-    [kh, kw, C_in, P·C_out], is exactly the stack of the A_iᵀS_i. Needs a grouped kernel."""
+    [kh, kw, C_in, P·C_out], is exactly the stack of the A_iᵀS_i (for C_in = 1 it is a
+    depthwise convolution). Needs a grouped kernel."""
     inputs, grads = _as_2d(layer, tf.cast(inputs, tf.float32)), _as_2d(layer, tf.cast(grads, tf.float32))
     examples, channels = tf.shape(inputs)[0], tf.shape(inputs)[-1]
     (kh, kw), (sh, sw), _ = _window(layer)
@@ -95,49 +95,25 @@ def _grouped_filter_gradient(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.T
     return tf.reshape(tf.transpose(filter_grad, [3, 0, 1, 2, 4]), tf.concat([[examples], layer.kernel.shape], axis=0))
 
 
-def _depthwise_filter_gradient(layer, inputs: tf.Tensor, grads: tf.Tensor) -> tf.Tensor:
-    """C_in = 1: the same stack from a depthwise filter gradient, the P examples as the P
-    channels of one image with channel multiplier C_out (output channel p·C_out + o, as in
-    the grouped form). Runs wherever TensorFlow does, for equal strides."""
-    inputs, grads = _as_2d(layer, tf.cast(inputs, tf.float32)), _as_2d(layer, tf.cast(grads, tf.float32))
-    examples = tf.shape(inputs)[0]
-    (kh, kw), (sh, sw) = _window(layer)[:2]
-    sw = sh if layer.rank == 1 else sw  # the kernel wants equal strides; a width of 1 ignores sw
-    filter_grad = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
-        _examples_as_channels(inputs), tf.stack([kh, kw, examples, layer.filters]), _examples_as_channels(grads),
-        [1, sh, sw, 1], layer.padding.upper())  # [kh, kw, P, C_out]
-    return tf.reshape(tf.transpose(filter_grad, [2, 0, 1, 3]), tf.concat([[examples], layer.kernel.shape], axis=0))
-
-
 def _examples_as_channels(tensor: tf.Tensor) -> tf.Tensor:
     """[P, H, W, C] -> [1, H, W, P·C], channel p·C + c."""
     shape = tf.shape(tensor)
     return tf.reshape(tf.transpose(tensor, [1, 2, 0, 3]), tf.stack([1, shape[1], shape[2], shape[0] * shape[3]]))
 
 
-def _explicit_route(layer, examples):
-    """"grouped" or "depthwise" (per-example kernel gradients from one filter-gradient call)
-    or None (unfolded patches, Gram or explicit form by cost).
-
-    The explicit routes need at most _GROUPED_MAX_CHANNELS input channels, groups = 1,
-    no dilation, per-example kernel gradients within dense.EXPLICIT_FLOATS, and no XLA (its
-    CPU kernel for the depthwise form of C_in = 1 took 8.9 s for the tutorial CNN's step;
-    graph mode 4.4 ms). The grouped kernel where it exists, else depthwise (C_in = 1 and
-    equal strides, which its kernel requires)."""
+def _uses_grouped_route(layer, examples) -> bool:
+    """Per-example kernel gradients from one grouped filter-gradient call: where TensorFlow
+    has that kernel (kernels.py), groups = 1, at most _GROUPED_MAX_CHANNELS input channels,
+    no dilation, per-example kernel gradients within dense.EXPLICIT_FLOATS, and not under
+    XLA (its CPU kernel for the depthwise form of C_in = 1 took 8.9 s for the tutorial CNN's
+    step; graph mode 4.4 ms). Otherwise: unfolded patches. Without oneDNN the depthwise
+    filter gradient (the same stack for C_in = 1) took 71 ms at batch 256 against 49 ms
+    unfolded, so it is not used (benchmarks/conv_routes.py, TF_ENABLE_ONEDNN_OPTS=0)."""
     examples = _EXAMPLES_PER_CALL if examples is None else examples
     fits = examples * layer.kernel.shape.num_elements() <= dense.EXPLICIT_FLOATS
-    if not (layer.groups == 1 and layer.kernel.shape[-2] <= _GROUPED_MAX_CHANNELS and fits
-            and all(rate == 1 for rate in _window(layer)[2]) and not compiling_with_xla()):
-        return None
-    if grouped_conv_filter_gradient_available():
-        return "grouped"
-    strides = _window(layer)[1]
-    return "depthwise" if layer.kernel.shape[-2] == 1 and (layer.rank == 1 or strides[0] == strides[1]) else None
-
-
-def _uses_grouped_route(layer, examples) -> bool:
-    """True when the per-example kernel gradients come from one filter-gradient call."""
-    return _explicit_route(layer, examples) is not None
+    return (layer.groups == 1 and layer.kernel.shape[-2] <= _GROUPED_MAX_CHANNELS and fits
+            and all(rate == 1 for rate in _window(layer)[2]) and not compiling_with_xla()
+            and grouped_conv_filter_gradient_available())
 
 
 def _trainable_bias(layer) -> bool:
