@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp.clipping.clip import clip_factors, weighted_row_sum
-from tf_dp.clipping.layer_per_example import squared_row_norms
+from tf_dp.clipping.layer_per_example import MaterializedContribution, squared_row_norms
 from tf_dp.clipping.per_example import per_example_gradients
 from tf_dp.clipping.rounding import FLOAT32_MAX, round_down_to_float32
 from tf_dp.clipping.tap import LayerTap
@@ -133,9 +133,10 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_
                     tape.watch(point.weights)
             observation, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
             total = tf.reduce_sum(tf.cast(observation, tf.float32) * tf.cast(mask, tf.float32))
-        watched = tap.watched_tensors()
-        output_grads = tape.gradient(total, watched)
-    contributions = tap.contributions(output_grads)
+        shared = tap.shared_layers()  # variables also used outside their layer's call
+        output_grads = tape.gradient(total, tap.watched_tensors(skip=shared))
+    contributions = tap.contributions(output_grads, skip=shared)
+    contributions += _shared_contributions(model, per_example_loss, x, y, points, shared, tap.fallback)
     squared_norms = tf.add_n([tf.cast(c.squared_norms(), tf.float64) for _, _, c in contributions]) \
         if contributions else tf.zeros_like(losses, tf.float64)
     factors = _float32_factors(squared_norms, l2_norm_clip, mask)
@@ -146,6 +147,28 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_
     sums = [tf.cast(by_variable[id(v)], v.dtype) if id(v) in by_variable else tf.zeros_like(v)
             for v in model.trainable_variables]
     return ClippedBatch(sums, y_pred, losses, _as_float32(squared_norms))
+
+
+def _shared_contributions(model, per_example_loss, x, y, points, shared_layers, fallback) -> list:
+    """(layer, rule, contribution) for layers whose variables another layer's call also
+    reads (a weight shared by hand): u_i restricted to their variables, Σ_k a_k ∂ℓ(θ_k; x_i)/∂v,
+    explicitly per example through the whole model — every use of v summed, so the norm
+    includes the cross terms between uses exactly. Costs a per-example pass of the model."""
+    if not shared_layers:
+        return []
+    owned = [fallback.variables(layer) for layer in shared_layers]
+    variables = [v for group in owned for v in group]
+    total = None
+    for point in points:  # one per-example pass for all shared layers
+        grads = per_example_gradients(model, per_example_loss, view_of(x, point.view), y, weights=point.weights,
+                                      only=variables)
+        grads = [point.coefficient * g for g in grads]
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    result, start = [], 0
+    for layer, group in zip(shared_layers, owned):
+        result.append((layer, fallback, MaterializedContribution(total[start:start + len(group)])))
+        start += len(group)
+    return result
 
 
 def _float32_factors(squared_norms: tf.Tensor, l2_norm_clip, mask) -> tf.Tensor:

@@ -16,7 +16,7 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.engine import _trainable_units, forward
+from tf_dp.clipping.engine import CURRENT_WEIGHTS, _shared_contributions, _trainable_units, forward
 from tf_dp.clipping.layer_per_example import squared_row_norms
 from tf_dp.clipping.per_example import per_example_gradients
 from tf_dp.clipping.tap import LayerTap
@@ -54,12 +54,18 @@ def per_example_gradient_norms(model, loss: Callable, x, y, engine: str = "ghost
 def _ghost_squared_norms(model, loss, x, y, units) -> list:
     first = tf.nest.flatten(x)[0]
     tap = LayerTap(units, batch_size=tf.shape(first)[0])
+
+    def per_example_loss(y_true, y_pred):
+        return per_example_losses(loss, y_true, y_pred)
+
     with tap:
         with tf.GradientTape() as tape:
-            total = tf.reduce_sum(tf.cast(per_example_losses(loss, y, forward(model, x)), tf.float32))
-        output_grads = tape.gradient(total, tap.watched_tensors())
-    return [(layer, tf.cast(contribution.squared_norms(), tf.float64))
-            for layer, _, contribution in tap.contributions(output_grads)]
+            total = tf.reduce_sum(tf.cast(per_example_loss(y, forward(model, x)), tf.float32))
+        shared = tap.shared_layers()  # variables also read outside their layer: whole-model route
+        output_grads = tape.gradient(total, tap.watched_tensors(skip=shared))
+    contributions = tap.contributions(output_grads, skip=shared)
+    contributions += _shared_contributions(model, per_example_loss, x, y, CURRENT_WEIGHTS, shared, tap.fallback)
+    return [(layer, tf.cast(contribution.squared_norms(), tf.float64)) for layer, _, contribution in contributions]
 
 
 def _vectorized_squared_norms(model, loss, x, y, units) -> list:

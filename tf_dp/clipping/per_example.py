@@ -18,13 +18,16 @@ from tf_dp.clipping.layer_per_example import per_example_map
 
 
 def per_example_gradients(
-    model, per_example_loss: Callable, x, y, weights: Optional[Sequence[tf.Tensor]] = None
+    model, per_example_loss: Callable, x, y, weights: Optional[Sequence[tf.Tensor]] = None, only=None
 ) -> list[tf.Tensor]:
-    """[P, *shape] per-example gradients for each of ``model.trainable_variables``, at the
-    variables' values or at ``weights``."""
+    """[P, *shape] per-example gradients for each of ``model.trainable_variables`` (or of the
+    variables in ``only``, in that order), at the variables' values or at ``weights``."""
     require_grouped_conv_kernels([model], "engine='vectorized' (per-example gradients by vectorized_map)")
     variables = model.trainable_variables
     values = [tf.convert_to_tensor(v.value) for v in variables] if weights is None else list(weights)
+    if only is not None:
+        position = {id(v): j for j, v in enumerate(variables)}
+        return _subset_gradients(model, per_example_loss, x, y, variables, values, [position[id(v)] for v in only])
 
     def one_example(example):
         x_i, y_i = tf.nest.map_structure(lambda t: t[None], example)
@@ -37,3 +40,19 @@ def per_example_gradients(
 
     signature = [tf.TensorSpec(v.shape, v.dtype) for v in values]
     return per_example_map(one_example, (x, y), signature, model.name)  # map_fn where pfor cannot convert
+
+
+def _subset_gradients(model, per_example_loss, x, y, variables, values, indices) -> list[tf.Tensor]:
+    """Per-example gradients of the variables at ``indices`` only (the others held at their values)."""
+    def one_example(example):
+        x_i, y_i = tf.nest.map_structure(lambda t: t[None], example)
+        with tf.GradientTape() as tape:
+            watched = [values[j] for j in indices]
+            tape.watch(watched)
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                loss = per_example_loss(y_i, model(x_i, training=True))[0]
+        grads = tape.gradient(loss, watched)
+        return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, watched)]
+
+    signature = [tf.TensorSpec(values[j].shape, values[j].dtype) for j in indices]
+    return per_example_map(one_example, (x, y), signature, model.name)

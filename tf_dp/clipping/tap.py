@@ -21,8 +21,10 @@ its own slice.
 Shared weights: a variable of a tapped layer read while another layer's call (or no
 tapped call) is running — logits = h Eᵀ written by hand with another layer's table —
 is a use no rule sees; its per-example gradient would miss that use's term. The tap notes
-every such read and refuses the pass, naming the variable (tied embeddings through
-``ReversibleEmbedding(reverse=True)`` are one layer's calls and handled exactly).
+every such read (``shared_layers``); the engine then leaves those layers out of the taps and
+takes their variables' per-example gradients through the whole model instead (exact, all
+uses summed; tied embeddings through ``ReversibleEmbedding(reverse=True)`` are one layer's
+calls, handled by its rule at ghost cost).
 """
 
 from __future__ import annotations
@@ -93,15 +95,10 @@ class LayerTap:
         if reader is not owner:
             self.foreign_reads.setdefault(id(variable), (variable, owner, reader))
 
-    def check_no_foreign_reads(self):
-        """Raises, naming the variable, if a tapped layer's variable was used outside its call."""
-        for variable, owner, reader in self.foreign_reads.values():
-            where = f"the call of layer {reader.name!r}" if reader is not None else "code outside any tapped layer"
-            raise ValueError(
-                f"Variable {variable.path!r} of layer {owner.name!r} is also read by {where} (a weight shared by "
-                f"hand). Ghost clipping would miss that use's part of the per-example gradient. Tie embeddings "
-                f"with keras.layers.ReversibleEmbedding(..., reverse=True), register a GhostRule for the reading "
-                f"layer that accounts for the variable, or use clipping_engine='vectorized'.")
+    def shared_layers(self) -> list:
+        """Tapped layers whose variables were read outside their own calls, in tap order."""
+        owners = {id(owner) for _, owner, _ in self.foreign_reads.values()}
+        return [layer for layer, _ in self.units if id(layer) in owners]
 
     def _recording_call(self, layer, rule, original_call):
         recordings = self.recordings[id(layer)]
@@ -160,17 +157,22 @@ class LayerTap:
         finally:
             self._paused = previous
 
-    def watched_tensors(self) -> list:
-        self.check_no_foreign_reads()
-        return [t for layer, _ in self.units for r in self.recordings[id(layer)] for t in r.watched]
+    def watched_tensors(self, skip=()) -> list:
+        """The tensors whose gradients the rules need (none of the layers in ``skip``)."""
+        skipped = {id(layer) for layer in skip}
+        return [t for layer, _ in self.units if id(layer) not in skipped
+                for r in self.recordings[id(layer)] for t in r.watched]
 
-    def contributions(self, output_grads: list):
+    def contributions(self, output_grads: list, skip=()):
         """Splits the flat gradient list of ``watched_tensors`` back per layer and builds
         each layer's ``Contribution`` (skipping layers not called in this pass); a layer
         with a call its rule does not model is replayed per example in all its calls."""
         grads = iter(output_grads)
+        skipped = {id(layer) for layer in skip}
         result = []
         for layer, rule in self.units:
+            if id(layer) in skipped:
+                continue
             recordings = self.recordings[id(layer)]
             per_recording = [[next(grads) for _ in r.watched] for r in recordings]
             if recordings:
