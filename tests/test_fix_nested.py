@@ -130,3 +130,29 @@ def test_keras_hub_mobilenet_batch_norm_in_its_own_layer_classes_is_a_clear_erro
     message = str(error.value)
     assert "mobile_net_backbone/block_0_0/block_0_0_bn1" in message and "DepthwiseConvBlock" in message
     assert "fix does it" not in message
+
+
+def test_inserted_group_norms_use_the_group_norm_ghost_rule_exactly():
+    """The stand-ins fix inserts (channels last, axis 3 on keras-hub's BatchNorm too) take
+    GroupNormalization's ghost rule, not the per-example replay; norms match a loop."""
+    import tensorflow as tf
+
+    from tf_dp.clipping import clipped_gradient_sum, ghost_rule_for
+    from tf_dp.clipping.normalization import GroupNormalizationRule
+
+    fixed = tf_dp.fix(wrapped(conv_backbone(), (8, 8, 3)))
+    norms = [layer for layer in all_layers(fixed) if isinstance(layer, keras.layers.GroupNormalization)]
+    assert norms and all(isinstance(ghost_rule_for(layer), GroupNormalizationRule) for layer in norms)
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(5, 8, 8, 3)).astype("float32"), np.array([0, 1, 2, 0, 1])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    want = []
+    for i in range(5):
+        with tf.GradientTape() as tape:
+            value = loss(y[i:i + 1], fixed(x[i:i + 1], training=True))
+        want.append(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2)
+                                for g in tape.gradient(value, fixed.trainable_variables))))
+    per_example = lambda t, p: keras.losses.sparse_categorical_crossentropy(t, p, from_logits=True)  # noqa: E731
+    result = clipped_gradient_sum(fixed, per_example, tf.constant(x), tf.constant(y), tf.ones([5]), 1e9)
+    got = np.sqrt(result.squared_norms.numpy())
+    assert np.linalg.norm(got - np.array(want)) / np.linalg.norm(want) <= 1e-4

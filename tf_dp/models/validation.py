@@ -17,6 +17,9 @@ from __future__ import annotations
 import keras
 from keras.src.models.functional import Functional
 
+from tf_dp.clipping.normalization import GroupNormalizationRule
+from tf_dp.clipping.registry import register_ghost_rule
+
 _PER_EXAMPLE_AUGMENTATION = "augment each example alone (e.g. RandomFlip, RandomRotation, RandomContrast)"
 
 # (Keras layer class, when it mixes rows, why, and the fix).
@@ -99,6 +102,17 @@ class GroupNormalizationForBatchNorm(keras.layers.GroupNormalization):
         return super().call(inputs)
 
 
+class _GroupNormalizationForBatchNormRule(GroupNormalizationRule):
+    """GroupNormalization's ghost rule for the stand-in: ``training`` and ``mask`` do not
+    change what it computes (its ``call`` ignores them)."""
+
+    def tapped_call(self, layer, original_call, recordings, inputs, training=None, mask=None):
+        return super().tapped_call(layer, original_call, recordings, inputs)
+
+
+register_ghost_rule(GroupNormalizationForBatchNorm, _GroupNormalizationForBatchNormRule())
+
+
 def _group_count(channels: int, at_most: int = 32) -> int:
     return max(d for d in range(1, min(channels, at_most) + 1) if channels % d == 0)
 
@@ -134,6 +148,8 @@ def fix(model):
     def clone(layer):
         if isinstance(layer, keras.layers.BatchNormalization):
             axis = layer.axis if isinstance(layer.axis, int) else layer.axis[0]
+            rank = getattr(layer.input_spec, "ndim", None)
+            axis = -1 if rank is not None and axis == rank - 1 else axis  # channels last: GroupNormalization's rule
             channels = int(layer.moving_mean.shape[0]) if layer.built else int(layer.input.shape[axis])
             replaced.append(layer.name)
             return GroupNormalizationForBatchNorm(groups=_group_count(channels), axis=axis,
