@@ -20,12 +20,12 @@ def token_loss(y, logits):
     return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), axis=-1)
 
 
-def assert_ghost_matches_loop(model, x, y, loss):
+def assert_ghost_matches_loop(model, x, y, loss, engine="ghost"):
     per_example = loop_per_example_gradients(model, x, y, loss)
     norms = flat_norms(per_example)
     clip = float(np.median(norms))
     result = clipped_gradient_sum(model, loss, tf.nest.map_structure(tf.constant, x), tf.constant(y),
-                                  tf.ones(BATCH), clip)
+                                  tf.ones(BATCH), clip, engine=engine)
     got = np.sqrt(result.squared_norms.numpy().astype(np.float64))
     np.testing.assert_allclose(got, norms, rtol=1e-4)
     factors = np.minimum(1.0, clip / got)
@@ -48,12 +48,13 @@ def test_gpt2_causal_lm_tied_embeddings_match_loop():
     assert_ghost_matches_loop(model, *lm_batch(), token_loss)
 
 
-def test_gemma_causal_lm_matches_loop():
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])  # vectorized: softmax of rank 6 under pfor → map_fn
+def test_gemma_causal_lm_matches_loop(engine):
     backbone = keras_hub.models.GemmaBackbone(vocabulary_size=VOCABULARY, num_layers=1, num_query_heads=2,
                                               num_key_value_heads=1, hidden_dim=8, intermediate_dim=16, head_dim=4,
                                               dropout=0.0)
     assert_ghost_matches_loop(keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None), *lm_batch(),
-                              token_loss)
+                              token_loss, engine)
 
 
 def test_bert_text_classifier_matches_loop():
