@@ -260,3 +260,30 @@ def test_per_example_gradient_norms_per_layer_and_total(engine):
         want = [np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for v, g in zip(model.trainable_variables, grads)
                             if owners[id(v)] == name)) for grads in per_example]
         np.testing.assert_allclose(norms.numpy(), want, rtol=1e-4)
+
+
+def test_tied_embedding_norm_is_safe_under_cancellation():
+    # Lookup and projection gradients of one row cancel: G = M·u − (M·u + δ) = −δ with
+    # M = 1e4. A float32 Gram form loses δ entirely; the rule's float64 Gram form with its
+    # certified bound must stay ≥ ‖δ‖ and release at most C per example.
+    from tf_dp.clipping.reversible_embedding import TiedEmbeddingContribution
+    rng = np.random.default_rng(0)
+    width, vocabulary, big = 8, 5, 1e4
+    u = rng.standard_normal((BATCH, 1, width)).astype("float32")
+    delta = (1e-3 * rng.standard_normal((BATCH, 1, width))).astype("float32")
+    s = big * u
+    h = s + delta
+    e = np.zeros((BATCH, 1, vocabulary), "float32")
+    e[:, 0, 0] = -1.0
+    ids = np.zeros((BATCH, 1), "int64")
+    contribution = TiedEmbeddingContribution(tf.constant(ids), tf.constant(s), tf.constant(h), tf.constant(e),
+                                             vocabulary)
+    exact = np.linalg.norm(s.astype(np.float64) - h.astype(np.float64), axis=(1, 2))  # row 0: s − h = −δ
+    bound = np.sqrt(contribution.squared_norms().numpy())
+    assert np.all(bound >= exact)
+    clip = 1e-4
+    for i in range(BATCH):
+        factors = np.zeros(BATCH)
+        factors[i] = clip / max(bound[i], clip)
+        released = contribution.weighted_sums(tf.constant(factors))[0].numpy()
+        assert np.linalg.norm(released) <= clip * (1 + 1e-6)
