@@ -192,3 +192,26 @@ def test_fit_refuses_weights_of_the_wrong_length_and_both_kinds():
         model.fit(x, y, sample_weight=np.ones(31), batch_size=8, epochs=1, verbose=0)
     with pytest.raises(ValueError, match="not both"):
         model.fit(x, y, sample_weight=np.ones(32), class_weight={0: 1.0}, batch_size=8, epochs=1, verbose=0)
+
+
+def test_batched_dataset_of_x_y_w_equals_train_on_batch_and_validation_split_keeps_weights():
+    rng = np.random.default_rng(6)
+    x, y, w = dense_batch(rng)
+    deltas = []
+    for feed in ("dataset", "train_on_batch"):
+        keras.utils.set_random_seed(8)
+        model = _compiled(dense_model(), 0.5)
+        if feed == "dataset":
+            dataset = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(P)
+            with pytest.warns(UserWarning, match="BATCHED"):
+                deltas.append(_step_delta(model, lambda: model.fit(dataset, epochs=1, verbose=0)))
+        else:
+            deltas.append(_step_delta(model, lambda: model.train_on_batch(x, y, sample_weight=w, batch_size=P)))
+    assert relative_error(deltas[0], deltas[1]) <= 1e-6
+    n = 40
+    x, y = rng.normal(size=(n, FEATURES)).astype("float32"), rng.integers(0, CLASSES, n).astype("int32")
+    model = _compiled(dense_model(), 1.0)
+    history = model.fit(x, y, sample_weight=np.linspace(0, 1, n).astype("float32"), validation_split=0.25,
+                        batch_size=10, epochs=1, verbose=0)
+    weighted_tail = model.evaluate(x[30:], y[30:], sample_weight=np.linspace(0, 1, n)[30:], verbose=0)
+    assert np.isclose(history.history["val_loss"][0], weighted_tail, rtol=1e-5)
