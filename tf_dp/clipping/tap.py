@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import tensorflow as tf
 from keras.src.backend.common import variables as keras_variables
@@ -57,35 +58,19 @@ class LayerTap:
         self._owners = {id(v): layer for layer, _ in self.units for v in self.fallback.variables(layer)}
         self._running: list = []  # the tapped calls in progress, innermost last
         self.foreign_reads: dict[int, tuple] = {}  # id(variable) → (variable, owner, reader)
-        self._original_value = None
 
     def __enter__(self):
         for layer, rule in self.units:
             original_call = type(layer).call.__get__(layer)
             object.__setattr__(layer, "call", self._recording_call(layer, rule, original_call))
-        self._watch_variable_reads()
+        _ReadWatch.enter(self)
         return self
 
     def __exit__(self, *exc):
         for layer, _ in self.units:
             layer.__dict__.pop("call", None)
-        if self._original_value is not None:
-            keras_variables.Variable.value = self._original_value
-            self._original_value = None
+        _ReadWatch.exit(self)
         return False
-
-    def _watch_variable_reads(self):
-        """Wraps Keras' ``Variable.value`` (every read of a Keras variable goes through it)
-        to note reads of a tapped layer's variable outside that layer's own call."""
-        original = keras_variables.Variable.value
-        tap = self
-
-        def value(variable):
-            tap._note_read(variable)
-            return original.fget(variable)
-
-        self._original_value = original
-        keras_variables.Variable.value = property(value)
 
     def _note_read(self, variable):
         owner = self._owners.get(id(variable))
@@ -179,6 +164,43 @@ class LayerTap:
                 use = self.fallback if id(layer) in self.replayed else rule
                 result.append((layer, use, use.contribution(layer, recordings, per_recording)))
         return result
+
+
+class _ReadWatch:
+    """Wraps Keras' ``Variable.value`` (every read of a Keras variable goes through it) while
+    any tap is open, reporting reads to the taps open in the reading thread (replicas of a
+    tf.distribute step run in threads, each with its own tap). Installed once for all open
+    taps, removed when the last one closes."""
+
+    _lock = threading.Lock()
+    _open = 0
+    _original = None
+    _local = threading.local()
+
+    @classmethod
+    def enter(cls, tap):
+        with cls._lock:
+            if cls._open == 0:
+                cls._original = keras_variables.Variable.value
+                original = cls._original
+
+                def value(variable):
+                    for open_tap in getattr(cls._local, "taps", ()):
+                        open_tap._note_read(variable)
+                    return original.fget(variable)
+
+                keras_variables.Variable.value = property(value)
+            cls._open += 1
+        cls._local.taps = getattr(cls._local, "taps", ()) + (tap,)
+
+    @classmethod
+    def exit(cls, tap):
+        cls._local.taps = tuple(t for t in getattr(cls._local, "taps", ()) if t is not tap)
+        with cls._lock:
+            cls._open -= 1
+            if cls._open == 0:
+                keras_variables.Variable.value = cls._original
+                cls._original = None
 
 
 def _rule_replay(rule, layer, original_call):
