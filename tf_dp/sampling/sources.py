@@ -216,7 +216,7 @@ class RecordSource(ExampleSource):
         if transform is not None and not callable(transform):
             raise TypeError(f"`transform` must be callable, got {transform!r}.")
         self.source, self.transform = source, transform
-        self.workers = workers or min(4, os.cpu_count() or 1)
+        self.workers = workers or 4  # decoding and I/O release the GIL: 4 threads beat 1-2 on 2 cores (benchmark)
         self._count = len(source)
         if self._count <= 0:
             raise ValueError("The source holds no examples.")
