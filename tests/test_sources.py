@@ -266,7 +266,21 @@ def test_sources_need_a_y_or_a_record_pair():
     with pytest.raises(ValueError, match="both `x` and `y`"):
         model().fit(np.zeros((10, FEATURES), "float32"), batch_size=2)
     with pytest.raises(ValueError, match="`transform` needs"):
-        model().fit(np.zeros((10, FEATURES), "float32"), np.zeros(10, "int32"), transform=lambda r: r, batch_size=2)
+        model().fit({"a": np.zeros((10, FEATURES), "float32")}, np.zeros(10, "int32"), transform=lambda r: r,
+                    batch_size=2)
+
+
+def test_file_paths_with_labels_and_a_loading_transform(tmp_path):
+    x, y = data(60)
+    paths = []
+    for i, row in enumerate(x):
+        paths.append(str(tmp_path / f"{i}.npy"))
+        np.save(paths[-1], row)
+    reference, from_files = model(), model()
+    reference.fit(x, y, batch_size=12, epochs=1, steps_per_epoch=2, sampling_seed=3, verbose=0)
+    from_files.fit(paths, y, transform=lambda record: (np.load(record[0]), record[1]), batch_size=12, epochs=1,
+                   steps_per_epoch=2, sampling_seed=3, verbose=0)
+    assert same_weights(reference, from_files)
 
 
 def test_each_worker_reads_only_its_replicas_slice_of_the_global_batch():

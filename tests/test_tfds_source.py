@@ -56,5 +56,10 @@ def test_fit_through_tfds_equals_fit_on_arrays_with_the_same_seed(written):
     for a, b in zip(arrays.get_weights(), tfds_path.get_weights()):
         np.testing.assert_array_equal(a, b)  # same batches, same noise, same steps
     assert arrays.get_epsilon() == tfds_path.get_epsilon()
+    parsed_in_graph = mlp()
+    parsed_in_graph.fit(dp_tfds.mnist_examples(written, flatten=True), batch_size=64, epochs=1, steps_per_epoch=4,
+                        sampling_seed=11, verbose=0)
+    for a, b in zip(arrays.get_weights(), parsed_in_graph.get_weights()):
+        np.testing.assert_array_equal(a, b)
     test = (data.x_test[:500], data.y_test[:500])
     assert arrays.evaluate(*test, verbose=0) == tfds_path.evaluate(*test, verbose=0)

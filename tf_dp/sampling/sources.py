@@ -27,6 +27,7 @@ expected spec: an example silently skipped would change the sampling the account
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import os
 import struct
 import warnings
@@ -138,20 +139,27 @@ class ExampleSource:
         real = np.flatnonzero(mask != 0)
         x, y = self.read_examples(indices[real])
         place = lambda values: _scatter(values, real, len(indices))  # noqa: E731
-        extras = {name: place(_take_rows(column, indices[real])) for name, column in self.extras.items()}
-        return tf.nest.map_structure(place, x), place(y), extras
+        return tf.nest.map_structure(place, x), place(y), self.read_extras(indices, mask)
+
+    def read_extras(self, indices: np.ndarray, mask: np.ndarray) -> dict:
+        indices, mask = np.asarray(indices).reshape(-1), np.asarray(mask).reshape(-1)
+        real = np.flatnonzero(mask != 0)
+        return {name: _scatter(_take_rows(column, indices[real]), real, len(indices))
+                for name, column in self.extras.items()}
 
     def head(self, count: int):
         """(x, y) of the first ``count`` examples (the row-independence guard and the model build read these)."""
         return self.read_examples(np.arange(min(count, len(self))))
 
     def with_extras(self, extras: Optional[dict]) -> "ExampleSource":
+        """A copy of this source that also reads the per-example ``extras`` arrays."""
         extras = {name: _column(value, name) for name, value in (extras or {}).items()}
         for name, column in extras.items():
             if _num_rows(column) != len(self):
                 raise ValueError(f"`{name}` has {_num_rows(column)} rows but the source has {len(self)} examples.")
-        self.extras = extras
-        return self
+        source = copy.copy(self)
+        source.extras = extras
+        return source
 
     def output_specs(self) -> tuple:
         """(x, y, extras) TensorSpecs without the batch axis."""
@@ -188,7 +196,8 @@ class ArraySource(ExampleSource):
         column_spec = lambda c: tf.TensorSpec(c.shape[1:], tf.as_dtype(c.dtype))  # noqa: E731
         self.spec = (tf.nest.map_structure(column_spec, self.x), column_spec(self.y))
         self.extras = {}
-        self.with_extras(extras)
+        if extras:
+            self.extras = self.with_extras(extras).extras
 
     def __len__(self) -> int:
         return self._count
@@ -320,6 +329,81 @@ def _conform(value, spec: tf.TensorSpec) -> np.ndarray:
     return array
 
 
+class SerializedSource(ExampleSource):
+    """Records are serialized bytes (an ArrayRecord reader, ``TFRecordSource``, the
+    ``data_source`` inside a ``tfds.data_source``) and ``parse(serialized) -> (x, y)``
+    turns a BATCH of them ([n] strings → [n, ...] tensors) into examples with TensorFlow
+    ops (``tf.io.parse_example``, ``tf.io.decode_raw``, ...): per step one Python call
+    fetches the sampled records, and the parsing runs vectorized in the graph — no Python
+    per record (TFDS' own per-record decoding costs ~40 µs a record, more than an MNIST DP
+    step's share of the time)."""
+
+    def __init__(self, records, parse: Callable):
+        if not (hasattr(records, "__len__") and hasattr(records, "__getitem__")):
+            raise TypeError(f"A source needs `__len__` and `__getitem__`, got {type(records).__name__}.")
+        self.records, self.parse = RecordSource(records, spec=(tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int8))), parse
+        self._count = len(records)
+        self.extras = {}
+        outputs = tf.function(parse, autograph=False).get_concrete_function(
+            tf.TensorSpec([None], tf.string)).structured_outputs
+        if not isinstance(outputs, (tuple, list)) or len(outputs) != 2:
+            raise ValueError("`parse(serialized)` must return an (x, y) pair of batched tensors.")
+        self.spec = tuple(tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), tuple(outputs)))
+        for leaf in tf.nest.flatten(self.spec):
+            if not leaf.shape.is_fully_defined():
+                raise ValueError(f"`parse` must give examples of a static shape, got {leaf.shape}.")
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _serialized(self, rows: np.ndarray) -> np.ndarray:
+        values = self.records._fetch(np.asarray(rows, np.int64))
+        for index, value in zip(rows, values):
+            if not isinstance(value, bytes):
+                raise SourceError(f"example {int(index)} is a {type(value).__name__}, not serialized bytes")
+        out = np.empty(len(values), object)
+        out[:] = values
+        return out
+
+    def _parse(self, serialized, first_index=None):
+        try:
+            return self.parse(serialized)
+        except (tf.errors.OpError, ValueError) as error:
+            raise SourceError(f"parse failed on the records of examples starting at {first_index} "
+                              f"({type(error).__name__}: {error}); expected {describe(self.spec)}") from error
+
+    def read_examples(self, rows):
+        rows = np.asarray(rows, np.int64)
+        if not len(rows):
+            empty = lambda s: np.zeros((0, *s.shape), s.dtype.as_numpy_dtype)  # noqa: E731
+            return tf.nest.map_structure(empty, self.spec[0]), empty(self.spec[1])
+        x, y = self._parse(tf.constant(self._serialized(rows), tf.string), int(rows[0]))
+        return tf.nest.map_structure(np.asarray, x), np.asarray(y)
+
+    def graph_read(self, indices, mask):
+        real = tf.reshape(tf.where(mask > 0), [-1])
+        rows = tf.gather(indices, real)
+        fetch = tf.autograph.experimental.do_not_convert(lambda r: self._serialized(r))
+        serialized = tf.numpy_function(fetch, [rows], tf.string, stateful=False)
+        serialized.set_shape([None])
+        x, y = self.parse(serialized)
+        is_real = mask > 0
+        slot_of = tf.maximum(tf.cumsum(tf.cast(is_real, tf.int32)) - 1, 0)  # slot → its row among the real ones
+
+        def place(values):  # real rows at their slots, zeros in padding slots
+            spread = tf.gather(values, slot_of)
+            shape = tf.concat([tf.shape(is_real), tf.ones([values.shape.rank - 1], tf.int32)], 0)
+            return tf.where(tf.reshape(is_real, shape), spread, tf.zeros_like(spread))
+
+        extras = {}
+        if self.extras:
+            specs, names = self.output_specs()[2], sorted(self.extras)
+            read = tf.autograph.experimental.do_not_convert(lambda i, m: [self.read_extras(i, m)[n] for n in names])
+            flat = tf.numpy_function(read, [indices, mask], [specs[n].dtype for n in names], stateful=False)
+            extras = {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
+        return tf.nest.map_structure(place, x), place(y), extras
+
+
 class DatasetSource(ExampleSource):
     """An unbatched, finite ``tf.data.Dataset`` with random access
     (``tf.data.experimental.at``): example i is computed on demand, in the graph."""
@@ -359,8 +443,9 @@ class DatasetSource(ExampleSource):
         if self.extras:
             specs = self.output_specs()[2]
             names = sorted(self.extras)
-            flat = tf.numpy_function(lambda i, m: [self.read(i, m)[2][n] for n in names], [indices, mask],
-                                     [specs[n].dtype for n in names], stateful=False)
+            read = tf.autograph.experimental.do_not_convert(
+                lambda i, m: [self.read_extras(i, m)[n] for n in names])
+            flat = tf.numpy_function(read, [indices, mask], [specs[n].dtype for n in names], stateful=False)
             extras = {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
         return tf.nest.map_structure(zero_padding, x), zero_padding(y), extras
 
@@ -465,8 +550,27 @@ def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSo
     if is_record_source(x, y, transform):
         return RecordSource(x, transform)
     if transform is not None:
-        raise ValueError("`transform` needs `x` to be a random-access source of records (and no `y`).")
+        if y is None or isinstance(x, (dict, tf.Tensor)) or not hasattr(x, "__getitem__"):
+            raise ValueError("`transform` needs `x` to be a random-access source of records (e.g. a list of file "
+                             "paths, with labels in `y`), not arrays.")
+        return RecordSource(PairedRecords(x, y), transform)
     return ArraySource(x, y)
+
+
+class PairedRecords:
+    """Record i = (x[i], y[i]): e.g. file paths and their labels, for a ``transform``
+    that loads the file — ``fit(paths, labels, transform=lambda r: (decode(r[0]), r[1]))``."""
+
+    def __init__(self, x, y):
+        if len(x) != len(y):
+            raise ValueError(f"`x` and `y` must have the same number of rows, got {len(x)} and {len(y)}.")
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
 
 
 def dataset_source(dataset: tf.data.Dataset) -> ExampleSource:
