@@ -40,7 +40,7 @@ else:
     if physical:
         model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=5, physical_batch_size=physical, verbose=0)
     else:
-        for _ in range(10): model.train_on_batch(x[:batch], y[:batch])
+        for _ in range(10): model.train_on_batch(x[:batch], y[:batch], batch_size=batch)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
 

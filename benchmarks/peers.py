@@ -150,6 +150,8 @@ def _main_worker(name, model, batch):
                   loss=loss, jit_compile=(name == "tf_dp_xla"), clipping_engine="ghost")
     info = {"tensorflow": tf.__version__, "keras": keras.__version__, "tf_dp": getattr(tf_dp, "__version__", "?"),
             "params": m.count_params()}
+    if isinstance(m, tf_dp.DPModel):
+        return (lambda: m.train_on_batch(x, y, batch_size=len(y))), info
     return (lambda: m.train_on_batch(x, y)), info
 
 

@@ -98,8 +98,9 @@ class NoiseFloorModel(keras.Model):
 
 def _ms_per_step(model, x, y, steps):
     start = time.perf_counter()
+    kwargs = {"batch_size": len(y)} if isinstance(model, tf_dp.DPModel) else {}
     for _ in range(steps):
-        model.train_on_batch(x, y)
+        model.train_on_batch(x, y, **kwargs)
     return (time.perf_counter() - start) / steps * 1000
 
 

@@ -31,7 +31,9 @@ flags.DEFINE_integer("batch_size", 256, "Expected Poisson batch size L.")
 flags.DEFINE_integer("epochs", 60, "Epochs (⌈N/L⌉ steps each).")
 flags.DEFINE_integer("train_examples", None, "Use only the first N training examples (smoke tests).")
 flags.DEFINE_enum("accountant", "rdp", ["rdp", "pld"], "Privacy accountant.")
-flags.DEFINE_integer("seed", 0, "Seed of weights, noise and sampling.")
+flags.DEFINE_integer("seed", 0, "Seed of the initial weights (public).")
+flags.DEFINE_integer("noise_seed", None, "Secret seed of the noise and the Poisson batches, for a reproducible run; "
+                     "default: fresh OS entropy (never saved). Whoever knows it can subtract the noise.")
 flags.DEFINE_bool("jit_compile", False, "XLA (measured slower on CPU; see README).")
 
 
@@ -55,7 +57,7 @@ def main(argv):
     sigma = None if FLAGS.target_epsilon else FLAGS.noise_multiplier
     model.compile(
         optimizer=tf_dp.DPSGD(FLAGS.learning_rate, l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=sigma,
-                              momentum=FLAGS.momentum, seed=FLAGS.seed),
+                              momentum=FLAGS.momentum, seed=FLAGS.noise_seed),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
         delta=FLAGS.delta,
@@ -65,7 +67,7 @@ def main(argv):
     )
     start = time.time()
     model.fit(x_train, y_train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
-              validation_data=(data.x_test, data.y_test), sampling_seed=FLAGS.seed, verbose=2)
+              validation_data=(data.x_test, data.y_test), sampling_seed=FLAGS.noise_seed, verbose=2)
     _, accuracy = model.evaluate(data.x_test, data.y_test, verbose=0)
     steps = int(model.privacy_ledger.steps.numpy())
     print(f"final: test accuracy = {accuracy:.4f}, epsilon = {model.get_epsilon():.3f} "

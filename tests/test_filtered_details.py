@@ -50,7 +50,7 @@ def test_previous_weights_are_recorded_before_weight_decay(make):
     model.compile(optimizer=make(), loss=sparse_ce)
     for x, y in _batches(2):
         before = [w.copy() for w in model.get_weights()]
-        model.train_on_batch(x, y)
+        model.train_on_batch(x, y, batch_size=len(y))
         remembered = [p.numpy() for p in model.optimizer._previous_weights]
         for held, theta in zip(remembered, before):
             np.testing.assert_array_equal(held, theta)
@@ -83,8 +83,8 @@ def test_disk_two_point_steps_with_weight_decay_match_hand_computation():
     u = [c * a + (1 - c) * b for a, b in zip(mean_grad(look_ahead, x2, y2), mean_grad(theta1, x2, y2))]
     g_tilde = [(1 - kappa) * gt + kappa * ui for gt, ui in zip(g_tilde, u)]
     theta2 = sgd_step(theta1, g_tilde)
-    model.train_on_batch(x1, y1)
-    model.train_on_batch(x2, y2)
+    model.train_on_batch(x1, y1, batch_size=len(y1))
+    model.train_on_batch(x2, y2, batch_size=len(y2))
     for got, want in zip(model.get_weights(), theta2):
         # The old direction θ_1 − (1 − ηλ)θ_0 moves the look-ahead by γηλθ_0 ≈ 0.025·θ_0,
         # hence θ_2 by ≳ 1e-4 here; float32 agreement is ~1e-7.

@@ -83,8 +83,8 @@ def test_save_and_load_keeps_optimizer_state_ledger_and_continues_identically():
     assert loaded.optimizer.seed is None  # the seed is a secret: not in the file; pass it again to resume
     loaded.optimizer.seed = 3
     batch = x[:8], y[:8]
-    model.train_on_batch(*batch)
-    loaded.train_on_batch(*batch)
+    model.train_on_batch(*batch, batch_size=8)
+    loaded.train_on_batch(*batch, batch_size=8)
     for a, b in zip(loaded.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -106,7 +106,7 @@ def test_make_private_shares_layers_and_weights():
     assert [id(v) for v in private.trainable_variables] == [id(v) for v in plain.trainable_variables]
     private.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=0.5), loss=sparse_ce)
     before = plain.get_weights()[0].copy()
-    private.train_on_batch(*[a[:10] for a in data()])
+    private.train_on_batch(*[a[:10] for a in data()], batch_size=10)
     assert not np.allclose(plain.get_weights()[0], before)
 
 
@@ -137,7 +137,7 @@ def test_xla_step_matches_graph_step():
     graph, xla = functional(sigma=0.0, seed=9), functional(sigma=0.0, seed=9, jit_compile=True)
     xla.set_weights(graph.get_weights())
     for model in (graph, xla):
-        model.train_on_batch(x[:16], y[:16])
+        model.train_on_batch(x[:16], y[:16], batch_size=16)
     for a, b in zip(graph.get_weights(), xla.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -207,7 +207,7 @@ def test_validate_lists_problems_and_fix_replaces_batch_norm(capsys):
     np.testing.assert_array_equal(fixed.layers[1].get_weights()[0], model.layers[1].get_weights()[0])
     private = tf_dp.make_private(fixed)
     private.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=sparse_ce)
-    private.train_on_batch(np.zeros((4, 8, 8, 3), "float32"), np.zeros(4, "int32"))
+    private.train_on_batch(np.zeros((4, 8, 8, 3), "float32"), np.zeros(4, "int32"), batch_size=4)
     rnn = keras.Sequential([keras.Input((3, 2), batch_size=4), keras.layers.SimpleRNN(2, stateful=True)])
     assert any("stateful" in p for p in tf_dp.validate(rnn))
 

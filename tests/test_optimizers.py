@@ -30,7 +30,7 @@ def test_sigma_zero_step_equals_hand_computed_clipped_update():
     assert norms[2] > 1000 * clip
     before = weights(model)
     model.compile(optimizer=tf_dp.DPSGD(lr, l2_norm_clip=clip, noise_multiplier=0.0), loss=sparse_ce)
-    model.train_on_batch(x, y)
+    model.train_on_batch(x, y, batch_size=len(y))
     for v, (after, start) in enumerate(zip(weights(model), before)):
         clipped_sum = sum(min(1.0, clip / norms[i]) * per_example[i][v] for i in range(5))
         np.testing.assert_allclose(after, start - lr * clipped_sum / 5, rtol=1e-5, atol=1e-6)
@@ -53,7 +53,7 @@ def test_noise_std_on_average_is_sigma_clip_over_batch(jit_compile):
                   jit_compile=jit_compile)
     y = np.zeros((8, units), "float32")
     before = weights(model)[1]
-    model.train_on_batch(x, y)
+    model.train_on_batch(x, y, batch_size=len(y))
     step = (weights(model)[1] - before) / lr
     expected = sigma * clip / 8  # σ·C/L with L = 8, the explicit batch size
     # The sample std of n = 20000 normals has relative std 1/sqrt(2n) = 0.5 %; 5 sd = 2.5 %.
@@ -75,7 +75,7 @@ def test_two_steps_draw_different_noise_and_seed_reproduces(jit_compile):
         out = []
         for _ in range(2):
             before = weights(model)[1]
-            model.train_on_batch(x, y)
+            model.train_on_batch(x, y, batch_size=len(y))
             out.append(weights(model)[1] - before)
         return out
 
@@ -156,7 +156,7 @@ def test_adam_without_correction_matches_keras_adam():
     dp_model.compile(optimizer=tf_dp.DPAdam(0.01, l2_norm_clip=1e9, noise_multiplier=0.0), loss=sparse_ce)
     plain.compile(optimizer=keras.optimizers.Adam(0.01), loss=sparse_ce)
     for _ in range(3):
-        dp_model.train_on_batch(x, y)
+        dp_model.train_on_batch(x, y, batch_size=len(y))
         plain.train_on_batch(x, y)
     for a, b in zip(dp_model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -183,7 +183,7 @@ def test_dpadamw_bias_correction_uses_this_steps_sigma_w():
         loss="mse",
     )
     before = weights(model)[1]
-    model.train_on_batch(x, np.zeros((8, 4), "float32"))
+    model.train_on_batch(x, np.zeros((8, 4), "float32"), batch_size=8)
     g = tf_dp.DPSGD(1.0, l2_norm_clip=clip, noise_multiplier=sigma, seed=5)
     replica = [keras.Variable(np.zeros((1, 4), "float32")), keras.Variable(np.zeros(4, "float32"))]
     g.apply_private_gradients([tf.zeros((1, 4)), tf.zeros(4)], replica, 8.0, dp_step=0)  # the model's step 0, same key

@@ -87,8 +87,8 @@ def test_a_seed_passed_again_reproduces_the_noise():
     twin, _, _ = noise_only_model()
     twin.compile(optimizer=tf_dp.DPSGD(1.0, noise_multiplier=1.0), loss="mse")
     twin.optimizer.seed = 5
-    model.train_on_batch(x, y)
-    twin.train_on_batch(x, y)
+    model.train_on_batch(x, y, batch_size=8)
+    twin.train_on_batch(x, y, batch_size=8)
     np.testing.assert_array_equal(bias(model), bias(twin))
 
 
@@ -101,11 +101,11 @@ def test_a_recompile_with_the_same_seed_draws_new_noise():
     model, x, y = noise_only_model()
     model.compile(optimizer=tf_dp.DPSGD(1.0, noise_multiplier=1.0, seed=11), loss="mse")
     start = bias(model)
-    model.train_on_batch(x, y)
+    model.train_on_batch(x, y, batch_size=8)
     first = bias(model) - start
     model.compile(optimizer=tf_dp.DPSGD(1.0, noise_multiplier=1.0, seed=11), loss="mse")
     start = bias(model)
-    model.train_on_batch(x, y)
+    model.train_on_batch(x, y, batch_size=8)
     second = bias(model) - start
     # Independent normals: the sample correlation of n = 4000 pairs has sd 1/sqrt(n) ≈ 0.016.
     assert abs(_correlation(first, second)) < 5 / np.sqrt(first.size)
@@ -116,9 +116,9 @@ def test_gradient_accumulation_micro_steps_draw_independent_noise():
     model.compile(optimizer=tf_dp.DPSGD(1.0, noise_multiplier=1.0, seed=3, gradient_accumulation_steps=2),
                   loss="mse")
     start = bias(model)
-    model.train_on_batch(x, y)
+    model.train_on_batch(x, y, batch_size=8)
     first_noise = -model.optimizer._accumulated_gradients[1].numpy()  # ĝ₁ (accumulated, not yet applied)
-    model.train_on_batch(x, y)
+    model.train_on_batch(x, y, batch_size=8)
     update = bias(model) - start  # −(ĝ₁ + ĝ₂)/2
     second_noise = 2 * update - first_noise
     assert int(model.privacy_ledger.steps.numpy()) == 2
@@ -260,3 +260,99 @@ def test_private_logs_show_only_epsilon_and_validation_metrics():
     assert "epsilon" in keys and "val_loss" in keys and "val_accuracy" in keys
     assert not keys & {"loss", "accuracy", "nonfinite_examples"}, keys
     assert {k for k in keys if not k.startswith("val_")} <= {"epsilon", "noise_std"}
+
+
+# ------------------------------------------- found by the adversarial review
+def test_train_on_batch_refuses_an_undeclared_denominator():
+    model = _linear_model()
+    (x, y), _ = _neighbours()
+    with pytest.raises(ValueError, match="batch_size"):
+        model.train_on_batch(x, y)
+
+
+def test_rolling_the_ledger_back_re_keys_the_noise(tmp_path):
+    """load_weights of an older file (or BackupAndRestore) rolls the ledger back while the
+    key stays in memory: the next steps must not repeat the noise of the abandoned ones."""
+    model, x, y = noise_only_model()
+    model.compile(optimizer=tf_dp.DPSGD(1.0, noise_multiplier=1.0), loss="mse")
+    model.train_on_batch(x, y, batch_size=8)
+    model.save_weights(tmp_path / "old.weights.h5")
+    start = bias(model)
+    model.train_on_batch(x, y)
+    abandoned = bias(model) - start
+    model.load_weights(tmp_path / "old.weights.h5")
+    assert int(model.privacy_ledger.steps.numpy()) == 1
+    start = bias(model)
+    model.train_on_batch(x, y)
+    replayed = bias(model) - start
+    assert abs(_correlation(abandoned, replayed)) < 5 / np.sqrt(abandoned.size)
+
+
+def test_fewer_trainable_variables_after_a_recompile_never_reuse_a_draw():
+    inputs = keras.Input((1,))
+    hidden = keras.layers.Dense(2000, kernel_initializer="zeros", name="first")
+    out = keras.layers.Dense(2000, kernel_initializer="zeros", name="second")
+    model = tf_dp.DPModel(inputs, out(hidden(inputs)))
+    x, y = np.zeros((8, 1), "float32"), np.zeros((8, 2000), "float32")
+    model.compile(optimizer=tf_dp.DPSGD(1.0, noise_multiplier=1.0, seed=2**40 + 3), loss="mse")
+    start = out.bias.numpy().copy()
+    model.train_on_batch(x, y, batch_size=8)
+    first = out.bias.numpy() - start
+    model.train_on_batch(x, y)
+    hidden.trainable = False  # variable indices shift: the counters of later steps must still be new
+    model.compile(optimizer=tf_dp.DPSGD(1.0, noise_multiplier=1.0, seed=2**40 + 3), loss="mse")
+    start = out.bias.numpy().copy()
+    model.train_on_batch(x, y, batch_size=8)
+    third = out.bias.numpy() - start
+    assert abs(_correlation(first, third)) < 5 / np.sqrt(first.size)
+
+
+def test_make_private_twice_continues_one_ledger():
+    inputs = keras.Input((FEATURES,))
+    base = keras.Model(inputs, keras.layers.Dense(CLASSES)(inputs))
+    x, y = data()
+    first = tf_dp.make_private(base)
+    first.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    first.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    second = tf_dp.make_private(base)
+    assert second.privacy_ledger is first.privacy_ledger
+    second.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    second.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    assert int(second.privacy_ledger.steps.numpy()) == 20
+
+
+def test_the_nonfinite_count_is_in_no_checkpoint_and_not_counted_with_private_logs(tmp_path):
+    x, y = data()
+    x[0] = np.inf
+    model = model_with(tf_dp.DPSGD(0.1, noise_multiplier=1.0), private_logs=True)
+    model.fit(x, y, batch_size=N, epochs=1, verbose=0)
+    assert float(model.nonfinite_examples.numpy()) == 0.0
+    path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    names = [name for name, _ in tf.train.list_variables(path)]
+    assert not any("nonfinite" in name for name in names), names
+
+
+class RunningMean(keras.layers.Layer):
+    """Normalizes by a running mean of the batches it has seen: private state, released un-noised."""
+
+    def build(self, input_shape):
+        self.mean = self.add_weight(shape=input_shape[1:], initializer="zeros", trainable=False)
+
+    def call(self, inputs, training=False):
+        if training:
+            self.mean.assign(0.9 * self.mean + 0.1 * keras.ops.mean(inputs, axis=0))
+        return inputs - self.mean
+
+
+def test_a_layer_updating_state_from_the_batch_is_refused():
+    x, y = data()
+    inputs = keras.Input((FEATURES,))
+    model = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES)(RunningMean()(inputs)))
+    model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    with pytest.raises(ValueError, match="non-trainable state"):
+        model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+
+
+def test_a_guessable_seed_is_warned_about():
+    with pytest.warns(UserWarning, match="guess"):
+        tf_dp.DPSGD(0.1, noise_multiplier=1.0, seed=0)

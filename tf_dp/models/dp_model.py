@@ -7,6 +7,7 @@ ledger), ``reporting`` (ε, export, saving); compile and the model classes live 
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import keras
@@ -42,12 +43,17 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
         self._declared_batch_size = tf.Variable(1.0, trainable=False, name="declared_batch_size",
                                                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         # Examples whose gradient was NaN/Inf this epoch: they contribute zero (clip_factors).
-        # A plain TF variable: not a Keras metric (so not in evaluate) nor a saved weight.
-        self.nonfinite_examples = tf.Variable(0.0, trainable=False, name="nonfinite_examples",
-                                              aggregation=tf.VariableAggregation.SUM)
+        # A membership oracle for a NaN canary, so held where no saver reaches (not a Keras
+        # metric, not a weight, not in tf.train.Checkpoint) and logged only without private_logs.
+        self._untracked = _Untracked(nonfinite_examples=tf.Variable(
+            0.0, trainable=False, name="nonfinite_examples", aggregation=tf.VariableAggregation.SUM))
         self._dp = {"delta": DEFAULT_DELTA, "accountant": "rdp", "target_epsilon": None, "engine": "ghost",
                     "private_logs": False}
         self._dp_loss = None
+
+    @property
+    def nonfinite_examples(self) -> tf.Variable:
+        return self._untracked.nonfinite_examples
 
     # ---------------------------------------------------------------- compile
     def compile(
@@ -122,6 +128,13 @@ def _output_names(model):
         return None
 
 
+class _Untracked:
+    """Attributes hidden from Keras/TF tracking (so from every saver): a plain object."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
 @keras.saving.register_keras_serializable(package="tf_dp")
 class DPModel(DPModelMixin, keras.Model):
     """A Keras Model trained with DP-SGD. Functional (``DPModel(inputs, outputs)``) or
@@ -178,5 +191,16 @@ def make_private(model: keras.Model) -> DPModel:
             "subclassed or unbuilt model. Subclass tf_dp.DPModel instead of keras.Model, or build the "
             "Sequential with a keras.Input first."
         )
-    return DPModel(model.inputs if len(model.inputs) > 1 else model.inputs[0],
-                   model.outputs if len(model.outputs) > 1 else model.outputs[0], name=f"{model.name}_private")
+    private = DPModel(model.inputs if len(model.inputs) > 1 else model.inputs[0],
+                      model.outputs if len(model.outputs) > 1 else model.outputs[0], name=f"{model.name}_private")
+    # The ledger belongs to the weights: a second make_private of the same model continues
+    # its record (and its noise counter) instead of starting a fresh one at step 0.
+    ledger = _SHARED_LEDGERS.get(model)
+    if ledger is None:
+        _SHARED_LEDGERS[model] = private.privacy_ledger
+    else:
+        private.privacy_ledger = ledger
+    return private
+
+
+_SHARED_LEDGERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -177,9 +177,9 @@ class DPFitting:
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False,
                        batch_size: Optional[int] = None):
         """One DP step on an explicit batch, accounted as a Gaussian mechanism without
-        sampling amplification. The noisy sum is divided by ``batch_size`` (default: the
-        size of the first batch of this phase, then fixed) — a public constant, never each
-        batch's own size."""
+        sampling amplification. The noisy sum is divided by ``batch_size`` — a public
+        constant declared by the first call of a phase (later calls may omit it), never
+        each batch's own size."""
         self._require_dp_compiled()
         self._set_example_weights(sample_weight, class_weight, where="batch")
         if self.distribute_strategy.num_replicas_in_sync > 1:
@@ -190,13 +190,20 @@ class DPFitting:
         check_rows_independent(self, self._dp_loss, x, y)
         if batch_size is None:
             phase = self.privacy_ledger.current_phase()
-            running = phase is not None and phase.scheme == "batches" and phase.expected_batch_size > 0
-            batch_size = phase.expected_batch_size if running else num_rows(x)
+            if phase is None or phase.scheme != "batches" or phase.expected_batch_size <= 0:
+                raise ValueError(
+                    "train_on_batch needs `batch_size=L`, the public constant its noisy sums are divided by (the size "
+                    "your code batches with; later calls may omit it). tf_dp never divides by a batch's realized "
+                    "size: under add/remove adjacency it changes with the data (ALGORITHMS §7).")
+            batch_size = phase.expected_batch_size
         self._open_phase("batches", 1.0, 0, _checks.positive("batch_size", batch_size))
         if not self.built:
             self._prebuild(x, y)
         self._build_optimizer()
-        return super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
+        self.optimizer.guard_noise_counter(int(self.privacy_ledger.steps.numpy()))
+        logs = super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
+        self.optimizer.record_noise_counter(int(self.privacy_ledger.steps.numpy()))
+        return logs
 
     def _poisson_stream(self, source, num_examples, batch_size, physical_batch_size, sampling_seed, steps_taken,
                         augment=None, views: AugmentationViews = ONE_VIEW):

@@ -16,8 +16,11 @@ randomness for X and X', and no state (seeds, moving statistics) is updated by t
 The comparison is repeated for ``RANDOM_DRAWS`` seed values, so a layer that mixes rows
 at random (a MixUp-like permutation that can leave rows in place) is caught too. If the model is still
 not reproducible (randomness outside Keras seed generators, e.g. an unseeded tf.random
-op), the comparison falls back to ``training=False``; if even that is not reproducible the
-guard warns that it could not check.
+op), the comparison falls back to ``training=False`` with a warning (a layer mixing rows
+only in training would then pass); if even that is not reproducible the guard warns that
+it could not check. A training-mode call must also update no non-trainable state (a
+running mean of private rows would be released un-noised). Limits: the guard is a test
+on ``GUARD_ROWS`` rows, not a proof — a layer that mixes only larger batches passes.
 """
 
 from __future__ import annotations
@@ -53,7 +56,14 @@ def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=Non
     batch = _take((x, y), np.arange(min(rows, count)))
     if not model.built:
         model(batch[0], training=False)
+    _require_no_state_updates(model, batch)
     training = _reproducible_mode(model, per_example_loss, batch)
+    if training is False:
+        warnings.warn("tf_dp could check only inference mode (training=False) for layers that mix rows: the model's "
+                      "training-mode outputs differ between two identical calls even with Keras' random seeds fixed "
+                      "(randomness outside keras.random, e.g. tf.random.shuffle). A layer that mixes rows only in "
+                      "training (MixUp-like) would not be caught: draw randomness with keras.random and a SeedGenerator.",
+                      stacklevel=2)
     if training is None:
         warnings.warn("tf_dp could not check that the model's rows are independent: its outputs differ between two "
                       "identical calls even with Keras' random seeds fixed.", stacklevel=2)
@@ -113,9 +123,31 @@ def _row_values(model, per_example_loss, batch, training: bool, draw: int = 0) -
     return values
 
 
+def _require_no_state_updates(model, batch) -> None:
+    """Refuses non-trainable variables that a training-mode call updates (running means,
+    counters, caches): such state is an exact, un-noised function of the private batches,
+    saved with the model and outside ε."""
+    seeds = _seed_states(model)
+    pinned = _pinned_state(model, 0)
+    with keras.StatelessScope(state_mapping=pinned) as scope:
+        model(batch[0], training=True)
+    updated = [v.path for v, value in pinned
+               if id(v) not in seeds and not v.trainable
+               and not np.array_equal(np.asarray(scope.get_current_value(v)), np.asarray(value))]
+    if updated:
+        raise ValueError(
+            f"This model updates non-trainable state from the training batch ({', '.join(updated)}): that state is "
+            "an exact function of private examples, released with the model without noise. Remove the update (or "
+            "make the layer stateless), as for BatchNormalization's moving statistics.")
+
+
+def _seed_states(model) -> set:
+    return {id(generator.state) for layer in model._flatten_layers(include_self=True)
+            for generator in getattr(layer, "_seed_generators", [])}
+
+
 def _pinned_state(model, draw: int) -> list:
-    seeds = {id(generator.state) for layer in model._flatten_layers(include_self=True)
-             for generator in getattr(layer, "_seed_generators", [])}
+    seeds = _seed_states(model)
     return [(v, v.value + tf.cast(draw, v.dtype) if id(v) in seeds else v.value) for v in model.variables]
 
 

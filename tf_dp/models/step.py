@@ -132,8 +132,9 @@ class DPTrainStep:
                                       lambda index, t: (index + 1, self._clip_chunk(*chunk(index), clip, points, t)),
                                       (tf.constant(0), totals))
         sums, nonfinite = totals
-        # Outside the loop: a cross-replica variable update may not sit in control flow.
-        self.nonfinite_examples.assign_add(nonfinite)
+        if not self._dp["private_logs"]:
+            # Outside the loop: a cross-replica variable update may not sit in control flow.
+            self.nonfinite_examples.assign_add(nonfinite)
         return sums
 
     def _clip_chunk(self, x, y, mask, clip, points, totals):

@@ -1,7 +1,7 @@
 """Gaussian noise from a counter-based generator.
 
 Each step draws N(0, stddev² I) for every coordinate of the model from Philox seeded by
-the pair (run's 64-bit key, an index unique to (step, variable, replica)). Keyed draws make a run
+fold_in((run's 64-bit key, DP step), (variable, replica, replica count)). Keyed draws make a run
 reproducible from its seed, keep two steps' noise independent (never a reused counter),
 and survive checkpoint/resume: the counter is the model's DP step count (its privacy
 ledger, saved with the model), so it never repeats over the model's life — not across
@@ -19,15 +19,32 @@ from typing import Sequence
 import tensorflow as tf
 
 
-def _philox_normal(shape, key: tf.Tensor, block: tf.Tensor, dtype) -> tf.Tensor:
-    """N(0, 1) draws from Philox keyed by the seed pair (key, block).
+LAPLACE_STREAM = -1  # the stream of RaCO-DP's histogram noise; Gaussian streams are ≥ 0
+_FIELD = 2**20  # variables and replicas per step, each < 2^20
 
-    TF derives the Philox key and counter from the pair by hashing it, so distinct
-    (key, block) pairs give independent streams; ``block`` is unique per (step, variable,
-    replica), so no two draws of a run share one. (Measured here for 670k draws: 8.6 ms
-    in graph mode, 19.8 ms under XLA; the raw key/counter op took 12 ms and 97 ms.)
+
+def draw_seed(key: tf.Tensor, step: tf.Tensor, stream: tf.Tensor) -> tf.Tensor:
+    """The Philox seed pair of one draw: fold_in((key, step), stream).
+
+    ``step`` (the ledger's DP step) and ``stream`` (a variable × replica × replica-count
+    code, or LAPLACE_STREAM) enter separately and are hashed, so two draws share a seed only
+    if they share (key, step, stream) — whatever the number of variables or replicas (a
+    recompile with fewer trainable variables, or a resume on another replica count, never
+    lands on an earlier step's counters).
     """
-    seed = tf.stack([tf.cast(key, tf.int64), tf.cast(block, tf.int64)])
+    pair = tf.stack([tf.cast(key, tf.int64), tf.cast(step, tf.int64)])
+    return tf.random.experimental.stateless_fold_in(pair, tf.cast(stream, tf.int64), alg="philox")
+
+
+def gaussian_stream(variable: int, replica: tf.Tensor, replicas: int) -> tf.Tensor:
+    """A code ≥ 0 unique to (variable index, replica, number of replicas)."""
+    return (tf.cast(variable, tf.int64) * _FIELD + tf.cast(replica, tf.int64)) * _FIELD + replicas
+
+
+def _philox_normal(shape, seed: tf.Tensor, dtype) -> tf.Tensor:
+    """N(0, 1) draws from Philox keyed by the seed pair ``seed`` (see draw_seed).
+    (Measured here for 670k draws: 8.6 ms in graph mode, 19.8 ms under XLA; the raw
+    key/counter op took 12 ms and 97 ms.)"""
     return tf.random.stateless_normal(shape, seed=seed, dtype=dtype, alg="philox")
 
 
@@ -46,11 +63,9 @@ def add_gaussian_noise(
       replica, replicas: under tf.distribute each of R replicas draws its own share (the
         caller scales the std by 1/√R so the all-reduced sum has std ``stddev``·√R/√R).
     """
-    key = tf.cast(seed, tf.int64)
-    replica = tf.cast(replica, tf.int64)
-    first_block = tf.cast(step, tf.int64) * len(tensors) * replicas
     return [
         tensor + tf.cast(stddev, tensor.dtype)
-        * _philox_normal(tf.shape(tensor), key, first_block + index * replicas + replica, tensor.dtype)
+        * _philox_normal(tf.shape(tensor), draw_seed(seed, step, gaussian_stream(index, replica, replicas)),
+                         tensor.dtype)
         for index, tensor in enumerate(tensors)
     ]

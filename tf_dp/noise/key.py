@@ -13,6 +13,7 @@ with the model), not from the key: see ``tf_dp.noise.gaussian``.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from typing import Optional
 
@@ -48,13 +49,21 @@ class NoiseKey:
     def read(self) -> tf.Tensor:
         return self._variable.read_value()
 
-    def rekey(self, seed: Optional[int] = None) -> None:
-        """A new key (``seed``, or fresh OS entropy), seen by already-traced steps too."""
-        self._variable.assign(_key_of(seed))
+    def rekey(self, seed: Optional[int] = None, generation: int = 0) -> None:
+        """A new key (from ``seed`` and ``generation``, or fresh OS entropy), seen by
+        already-traced steps too."""
+        self._variable.assign(_key_of(seed, generation))
 
     def __repr__(self) -> str:
         return "NoiseKey(<secret>)"
 
 
-def _key_of(seed: Optional[int]) -> np.int64:
-    return np.int64((seed if seed is not None else new_seed()) & (2**63 - 1))
+def _key_of(seed: Optional[int], generation: int = 0) -> np.int64:
+    """The key of ``seed`` (generation 0: the seed itself), a hash of (seed, generation)
+    for later generations, or fresh OS entropy without a seed."""
+    if seed is None:
+        return np.int64(new_seed())
+    if generation == 0:
+        return np.int64(seed & (2**63 - 1))
+    digest = hashlib.sha256(f"tf_dp noise key {seed} {generation}".encode()).digest()
+    return np.int64(int.from_bytes(digest[:8], "little") & (2**63 - 1))

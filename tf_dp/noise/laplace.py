@@ -1,17 +1,19 @@
 """Laplace noise for RaCO-DP's histogram, from the same Philox key as the Gaussian.
 
-Gaussian draws use seed pairs (key, block ≥ 0); Laplace draws use (key, −(step + 1)), so
-the two never share a seed pair within a run.
+Gaussian draws fold streams ≥ 0 into (key, step); the Laplace draw of a step folds in
+LAPLACE_STREAM = −1, so the two never share a seed (tf_dp.noise.gaussian.draw_seed).
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_dp.noise.gaussian import LAPLACE_STREAM, draw_seed
+
 
 def laplace_noise(shape, scale: tf.Tensor, seed: tf.Tensor, step: tf.Tensor, dtype=tf.float32) -> tf.Tensor:
     """Laplace(0, scale) draws: X = −scale · sign(U) · log(1 − 2|U|), U ~ Uniform(−½, ½)."""
-    pair = tf.stack([tf.cast(seed, tf.int64), -(tf.cast(step, tf.int64) + 1)])
+    pair = draw_seed(seed, step, LAPLACE_STREAM)
     uniform = tf.random.stateless_uniform(shape, seed=pair, dtype=tf.float64, alg="philox")
     centred = uniform - 0.5
     # log1p(−2|U|) is finite: U < 1 strictly, so 2|U − ½| < 1 except at U = 0 (prob. 2^-53).

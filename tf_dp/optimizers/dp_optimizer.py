@@ -15,6 +15,7 @@ explicit batch. Calling ``apply``/``apply_gradients`` directly — what a plain
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import keras
@@ -65,6 +66,7 @@ class DPOptimizer:
         self.secure_mode = secure_mode
         self._user_seed = None if seed is None else int(seed)
         self._noise_key = NoiseKey(self._user_seed)
+        self._key_generation, self._fresh_from_step = 0, 0
         with keras.name_scope(self.name, caller=self):
             self._l2_norm_clip = self._dp_variable("l2_norm_clip", l2_norm_clip, "float32")
             self._noise_multiplier = self._dp_variable(
@@ -78,6 +80,11 @@ class DPOptimizer:
     def _check_seed(seed, secure_mode: bool):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
+        if seed is not None and abs(int(seed)) < 2**32:
+            warnings.warn(
+                f"tf_dp: seed={seed} determines the noise: anyone who knows or guesses it (small seeds are easy to "
+                "guess) can subtract the noise from released weights. Use seed=None (a fresh key from the OS) for a "
+                "model you release, or a secret 64-bit seed.", UserWarning, stacklevel=4)
         if secure_mode and seed is not None:
             raise ValueError("`secure_mode=True` draws every step's noise key from the OS CSPRNG; it accepts no "
                              "`seed`. Pass seed=None (or secure_mode=False for reproducible runs).")
@@ -118,7 +125,24 @@ class DPOptimizer:
         never saved), or None for a fresh key from the OS."""
         self._check_seed(value, self.secure_mode)
         self._user_seed = None if value is None else int(value)
+        self._key_generation = 0
         self._noise_key.rekey(self._user_seed)
+        self._fresh_from_step = 0
+
+    def guard_noise_counter(self, dp_step: int) -> None:
+        """Called before DP steps start at the ledger's count ``dp_step``: if this key has
+        already drawn noise at that count (the ledger was rolled back — load_weights of an
+        older file, BackupAndRestore, a restored checkpoint), re-key, so that no two
+        released steps ever share a noise draw. Without a seed the new key is fresh OS
+        entropy; with a seed it is a hash of (seed, generation), reproducible run to run."""
+        if dp_step < self._fresh_from_step:
+            self._key_generation += 1
+            self._noise_key.rekey(self._user_seed, self._key_generation)
+            self._fresh_from_step = 0
+
+    def record_noise_counter(self, dp_step: int) -> None:
+        """Steps below ``dp_step`` have drawn noise with the current key."""
+        self._fresh_from_step = max(self._fresh_from_step, int(dp_step))
 
     def noise_key(self) -> tf.Tensor:
         """This step's Philox key: the in-memory key, or fresh OS entropy in secure mode."""
