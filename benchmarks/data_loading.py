@@ -8,7 +8,7 @@ and peak RSS of `fit` on 1 GB / 4 GB on-disk ArrayRecord datasets vs a one-batch
 Throughput: examples/s served by `poisson_dataset` (index stream → parallel read →
 optional augment), real rows only, after one warm-up batch; the DP step (ghost clipping,
 σ = 1) of a model one would train on such data, timed by `fit` on in-memory arrays.
-Memory: each case in a fresh subprocess; ru_maxrss (peak RSS) after `fit` of a small CNN
+Memory: each case in a fresh subprocess; VmHWM (peak RSS) after `fit` of a small CNN
 on 64×64×3 uint8 images read from ArrayRecord through a tf_dp record source.
 """
 
@@ -220,7 +220,7 @@ def throughput() -> dict:
 
 # ---------------------------------------------------------------------- memory
 MEMORY_WORKER = r"""
-import os, resource, sys, json
+import os, sys, json
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 import keras, numpy as np, tf_dp
 mode, path, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -258,7 +258,8 @@ else:
     model.fit(source, transform=record_to_example, batch_size=256, epochs=1, steps_per_epoch=steps, sampling_seed=0,
               verbose=0)
 status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
-print(json.dumps({"examples": n, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+# VmHWM, not ru_maxrss: Linux keeps ru_maxrss across fork + exec, so a child would report its parent's peak.
+print(json.dumps({"examples": n, "peak_rss_mb": int(status["VmHWM"].split()[0]) / 1024,
                   "rss_anon_mb_at_end": int(status["RssAnon"].split()[0]) / 1024,
                   "rss_file_mb_at_end": int(status["RssFile"].split()[0]) / 1024}))
 """
