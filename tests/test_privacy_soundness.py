@@ -356,3 +356,12 @@ def test_a_layer_updating_state_from_the_batch_is_refused():
 def test_a_guessable_seed_is_warned_about():
     with pytest.warns(UserWarning, match="guess"):
         tf_dp.DPSGD(0.1, noise_multiplier=1.0, seed=0)
+
+
+def test_a_repeated_dataset_is_refused():
+    """repeat(3) of 100 rows was accounted as N = 300 (found by the adversarial review)."""
+    x, y = data(100)
+    model = model_with(tf_dp.DPSGD(0.1, noise_multiplier=1.0))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).map(lambda a, b: (a, b)).repeat(3)
+    with pytest.raises(ValueError, match="repeat"):
+        model.fit(dataset, batch_size=10, epochs=1, verbose=0)

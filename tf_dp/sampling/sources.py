@@ -584,6 +584,11 @@ def dataset_source(dataset: tf.data.Dataset) -> ExampleSource:
     spec = dataset.element_spec
     if not isinstance(spec, tuple) or len(spec) != 2:
         raise ValueError("A dataset given to DP fit must yield (x, y) pairs of single examples.")
+    if _repeats(dataset):
+        raise ValueError(
+            "This tf.data.Dataset repeats its examples (a repeat() in its pipeline): every copy would count as an "
+            "example, so N and the sampling rate q would be wrong and one person would appear several times. Pass "
+            "the dataset without repeat(); fit's `epochs` repeats the data.")
     tensors = getattr(dataset, "_tensors", None)
     if type(dataset).__name__ == "_TensorSliceDataset" and tensors is not None:
         flat = [np.asarray(t) for t in tensors]
@@ -597,6 +602,17 @@ def dataset_source(dataset: tf.data.Dataset) -> ExampleSource:
         except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError, NotImplementedError):
             pass
     return materialized_source(dataset)
+
+
+def _repeats(dataset: tf.data.Dataset) -> bool:
+    """True if the dataset's serialized graph holds a RepeatDataset (False if unreadable)."""
+    try:
+        graph = tf.compat.v1.GraphDef()
+        graph.ParseFromString(dataset._as_serialized_graph().numpy())
+    except Exception:  # noqa: BLE001 — an unreadable graph is no fact
+        return False
+    functions = [node for function in graph.library.function for node in function.node_def]
+    return any(node.op.startswith("RepeatDataset") for node in list(graph.node) + functions)
 
 
 def materialized_source(dataset: tf.data.Dataset) -> ArraySource:
