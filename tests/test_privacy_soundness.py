@@ -263,11 +263,15 @@ def test_private_logs_show_only_epsilon_and_validation_metrics():
 
 
 # ------------------------------------------- found by the adversarial review
-def test_train_on_batch_refuses_an_undeclared_denominator():
+def test_train_on_batch_warns_when_it_takes_the_first_batch_size_as_the_denominator():
+    """Undeclared: the first batch's size becomes the phase's constant L (with a warning);
+    a later batch of another size is still divided by it, never by its own size."""
     model = _linear_model()
-    (x, y), _ = _neighbours()
-    with pytest.raises(ValueError, match="batch_size"):
+    (x, y), (x_added, y_added) = _neighbours()
+    with pytest.warns(UserWarning, match="batch_size"):
         model.train_on_batch(x, y)
+    model.train_on_batch(x_added[-1:], y_added[-1:])  # one row: its clipped gradient +e₁ over L = 10
+    np.testing.assert_allclose(model.trainable_variables[0].numpy().ravel(), [0.9, 0.0], atol=1e-6)
 
 
 def test_rolling_the_ledger_back_re_keys_the_noise(tmp_path):

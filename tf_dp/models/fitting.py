@@ -178,8 +178,9 @@ class DPFitting:
                        batch_size: Optional[int] = None):
         """One DP step on an explicit batch, accounted as a Gaussian mechanism without
         sampling amplification. The noisy sum is divided by ``batch_size`` — a public
-        constant declared by the first call of a phase (later calls may omit it), never
-        each batch's own size."""
+        constant declared by the first call of a phase (later calls may omit it); if
+        omitted, the first batch's static size is taken as that constant, with a warning
+        (it must not depend on the data) — never each later batch's own size."""
         self._require_dp_compiled()
         self._set_example_weights(sample_weight, class_weight, where="batch")
         if self.distribute_strategy.num_replicas_in_sync > 1:
@@ -190,12 +191,8 @@ class DPFitting:
         check_rows_independent(self, self._dp_loss, x, y)
         if batch_size is None:
             phase = self.privacy_ledger.current_phase()
-            if phase is None or phase.scheme != "batches" or phase.expected_batch_size <= 0:
-                raise ValueError(
-                    "train_on_batch needs `batch_size=L`, the public constant its noisy sums are divided by (the size "
-                    "your code batches with; later calls may omit it). tf_dp never divides by a batch's realized "
-                    "size: under add/remove adjacency it changes with the data (ALGORITHMS §7).")
-            batch_size = phase.expected_batch_size
+            running = phase is not None and phase.scheme == "batches" and phase.expected_batch_size > 0
+            batch_size = phase.expected_batch_size if running else _static_batch_size(x)
         self._open_phase("batches", 1.0, 0, _checks.positive("batch_size", batch_size))
         if not self.built:
             self._prebuild(x, y)
@@ -321,6 +318,16 @@ def declared_batch_size(dataset: tf.data.Dataset, batch_size: Optional[int]) -> 
             "size your pipeline batches with), or batch with drop_remainder=True. tf_dp never divides by a "
             "batch's realized size, which depends on the data.")
     return int(static)
+
+
+def _static_batch_size(x) -> int:
+    """The first explicit batch's size, taken as the phase's declared L (with a warning)."""
+    size = num_rows(x)
+    warnings.warn(
+        f"tf_dp: train_on_batch without batch_size= divides this and later noisy sums by {size}, the size of this "
+        "first batch, taken as a public constant: it must not depend on the data (under add/remove adjacency a "
+        "data-dependent size leaks, ALGORITHMS §7). Pass batch_size=L to declare it.", UserWarning, stacklevel=3)
+    return size
 
 
 def _pipeline_batch_size(dataset) -> Optional[int]:
