@@ -100,12 +100,25 @@ def forward(model, x, weights: Optional[Sequence[tf.Tensor]] = None):
 
 
 def _trainable_units(model) -> list:
-    """Layers (the model included) owning trainable variables of the model."""
+    """Layers (the model included) owning trainable variables of the model. A recurrent
+    layer is one unit with its cell: the cell runs inside the layer's while loop, where
+    its recorded inputs cannot be reached from outside, so the RNN layer is tapped instead."""
     trainable = {id(v) for v in model.trainable_variables}
-    return [
-        layer for layer in model._flatten_layers(include_self=True)
-        if any(id(v) in trainable and v.trainable for v in layer._trainable_variables)
-    ]
+
+    def owns_trainable(layer) -> bool:
+        return any(id(v) in trainable and v.trainable for v in layer._trainable_variables)
+
+    layers = list(model._flatten_layers(include_self=True))
+    recurrent = [layer for layer in layers if isinstance(layer, keras.layers.RNN)]
+    inside = {id(sub) for rnn in recurrent for sub in rnn.cell._flatten_layers(include_self=True)}
+    units = []
+    for layer in layers:
+        if isinstance(layer, keras.layers.RNN):
+            if any(owns_trainable(sub) for sub in layer.cell._flatten_layers(include_self=True)):
+                units.append(layer)
+        elif id(layer) not in inside and owns_trainable(layer):
+            units.append(layer)
+    return units
 
 
 def _observation_losses(model, per_example_loss, x, y, points):

@@ -79,7 +79,10 @@ class LayerPerExampleRule(GhostRule):
     def variables(self, layer):
         # Keras keeps a variable in _trainable_variables after `v.trainable = False`
         # (e.g. a LoRA-frozen kernel): only trainable ones enter the per-example norm.
-        return [v for v in layer._trainable_variables if v.trainable]
+        owners = [layer]
+        if isinstance(layer, keras.layers.RNN):  # a recurrent layer is replayed with its cell
+            owners = list(layer.cell._flatten_layers(include_self=True))
+        return [v for owner in owners for v in owner._trainable_variables if v.trainable]
 
     def values(self, layer) -> list:
         """The weight values in effect (possibly a perturbed point under a StatelessScope):
