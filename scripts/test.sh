@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 python -m pytest tests "$@"
-clipping_tests=(tests/test_clipping.py tests/test_clipping_float_safety.py tests/test_kernel_routes.py)
+clipping_tests=(tests/test_clipping.py tests/test_clipping_float_safety.py tests/test_kernel_routes.py tests/test_recurrent_in_graph.py)
 onednn_now=$(python -c "from tensorflow.python.util import _pywrap_util_port as p; print(int(p.IsMklEnabled()))" 2>/dev/null | tail -n 1)
 if [ "$onednn_now" = "1" ]; then other=0; else other=1; fi
 TF_ENABLE_ONEDNN_OPTS=$other python -m pytest "${clipping_tests[@]}" -q
