@@ -26,6 +26,7 @@ from tf_dp.clipping.clip import clip_factors, weighted_row_sum
 from tf_dp.clipping.layer_per_example import MaterializedContribution, squared_row_norms
 from tf_dp.clipping.per_example import per_example_gradients
 from tf_dp.clipping.rounding import FLOAT32_MAX, round_down_to_float32
+from tf_dp.clipping.registry import unit_variables
 from tf_dp.clipping.tap import LayerTap
 
 ENGINES = ("ghost", "vectorized")
@@ -105,20 +106,11 @@ def _trainable_units(model) -> list:
     its recorded inputs cannot be reached from outside, so the RNN layer is tapped instead."""
     trainable = {id(v) for v in model.trainable_variables}
 
-    def owns_trainable(layer) -> bool:
-        return any(id(v) in trainable and v.trainable for v in layer._trainable_variables)
-
     layers = list(model._flatten_layers(include_self=True))
     recurrent = [layer for layer in layers if isinstance(layer, keras.layers.RNN)]
     inside = {id(sub) for rnn in recurrent for sub in rnn.cell._flatten_layers(include_self=True)}
-    units = []
-    for layer in layers:
-        if isinstance(layer, keras.layers.RNN):
-            if any(owns_trainable(sub) for sub in layer.cell._flatten_layers(include_self=True)):
-                units.append(layer)
-        elif id(layer) not in inside and owns_trainable(layer):
-            units.append(layer)
-    return units
+    return [layer for layer in layers
+            if id(layer) not in inside and any(id(v) in trainable for v in unit_variables(layer))]
 
 
 def _observation_losses(model, per_example_loss, x, y, points):

@@ -15,7 +15,7 @@ import tensorflow as tf
 from tf_dp.clipping import rounding
 from tf_dp.clipping.clip import weighted_row_sum
 from tf_dp.clipping.kernels import require_grouped_conv_kernels
-from tf_dp.clipping.registry import Contribution, GhostRule, Recording
+from tf_dp.clipping.registry import Contribution, GhostRule, Recording, unit_variables
 
 
 def squared_row_norms(per_example: tf.Tensor) -> tf.Tensor:
@@ -77,12 +77,7 @@ class LayerPerExampleRule(GhostRule):
         self._tap = tap
 
     def variables(self, layer):
-        # Keras keeps a variable in _trainable_variables after `v.trainable = False`
-        # (e.g. a LoRA-frozen kernel): only trainable ones enter the per-example norm.
-        owners = [layer]
-        if isinstance(layer, keras.layers.RNN):  # a recurrent layer is replayed with its cell
-            owners = list(layer.cell._flatten_layers(include_self=True))
-        return [v for owner in owners for v in owner._trainable_variables if v.trainable]
+        return unit_variables(layer)
 
     def values(self, layer) -> list:
         """The weight values in effect (possibly a perturbed point under a StatelessScope):

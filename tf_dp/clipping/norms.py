@@ -19,6 +19,7 @@ import tensorflow as tf
 from tf_dp.clipping.engine import CURRENT_WEIGHTS, _shared_contributions, _trainable_units, forward
 from tf_dp.clipping.layer_per_example import squared_row_norms
 from tf_dp.clipping.per_example import per_example_gradients
+from tf_dp.clipping.registry import unit_variables
 from tf_dp.clipping.tap import LayerTap
 
 
@@ -76,7 +77,7 @@ def _vectorized_squared_norms(model, loss, x, y, units) -> list:
     by_variable = {id(v): g for v, g in zip(model.trainable_variables, grads)}
     result = []
     for layer in units:
-        owned = [by_variable[id(v)] for v in layer._trainable_variables if v.trainable and id(v) in by_variable]
+        owned = [by_variable[id(v)] for v in unit_variables(layer) if id(v) in by_variable]
         if owned:
             result.append((layer, tf.add_n([squared_row_norms(g) for g in owned])))
     return result

@@ -16,6 +16,7 @@ import abc
 import inspect
 from typing import Any, Callable, Optional
 
+import keras
 import tensorflow as tf
 
 
@@ -88,6 +89,17 @@ class GhostRule(abc.ABC):
     @abc.abstractmethod
     def contribution(self, layer, recordings: list[Recording], output_grads: list[list[tf.Tensor]]) -> Contribution:
         """Builds the layer's per-example contribution from its recordings and their gradients."""
+
+
+def unit_variables(layer) -> list:
+    """The trainable variables a tapped unit accounts for: its own, or for a recurrent layer
+    (tapped whole: its cell runs inside a while loop) those of its cell."""
+    owners = [layer]
+    if isinstance(layer, keras.layers.RNN):
+        owners = list(layer.cell._flatten_layers(include_self=True))
+    # Keras keeps a variable in _trainable_variables after `v.trainable = False`
+    # (e.g. a LoRA-frozen kernel): only trainable ones enter the per-example norm.
+    return [v for owner in owners for v in owner._trainable_variables if v.trainable]
 
 
 _RULES: dict[type, GhostRule] = {}
