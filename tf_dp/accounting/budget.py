@@ -37,12 +37,6 @@ class StepLimit(tf.Module):
     def clear(self) -> None:
         self.limit.assign(_NO_LIMIT)
 
-    def is_set(self) -> bool:
-        return int(self.limit.numpy()) != _NO_LIMIT
-
-    def sigma_changed(self, noise_multiplier: float) -> bool:
-        return self.is_set() and np.float32(noise_multiplier) != np.float32(self.sigma.numpy())
-
     def allows(self, steps_taken: tf.Tensor, noise_multiplier: tf.Tensor) -> tf.Tensor:
         """1.0 if this step fits the budget, else 0.0 (read inside the compiled step)."""
         limit = self.limit.read_value()

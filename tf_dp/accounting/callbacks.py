@@ -65,7 +65,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._allowed_steps = None
 
     def on_train_begin(self, logs=None):
-        self._allowed_steps = None
+        self._allowed_steps, self._limit_sigma = None, None
         self._check_budget(raise_if_spent=True)  # a clear error before training if nothing is left
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -89,8 +89,9 @@ class PrivacyBudget(keras.callbacks.Callback):
     def _check_budget(self, raise_if_spent: bool = False):
         limit = self.model.step_limit
         sigma = self.model.optimizer.noise_multiplier
-        if self._allowed_steps is not None and limit.is_set() and not limit.sigma_changed(sigma):
-            return
+        if self._allowed_steps is not None and sigma == self._limit_sigma:
+            return  # the limit in the step still holds (one variable read per batch, no ledger read)
+        self._limit_sigma = sigma
         self._allowed_steps = _max_total_steps(self.model, self.max_epsilon)
         if self._allowed_steps is None:
             limit.clear()
@@ -105,7 +106,7 @@ class PrivacyBudget(keras.callbacks.Callback):
             )
 
     def _sigma_changed(self) -> bool:
-        return self.model.step_limit.sigma_changed(self.model.optimizer.noise_multiplier)
+        return self._allowed_steps is not None and self.model.optimizer.noise_multiplier != self._limit_sigma
 
     def _steps(self) -> int:
         return int(self.model.privacy_ledger.steps.numpy())

@@ -19,9 +19,9 @@ from tf_dp import _checks
 from tf_dp.accounting import ACCOUNTANTS, PrivacyLedger
 from tf_dp.accounting.budget import StepLimit
 from tf_dp.clipping import ENGINES
-from tf_dp.models.fitting import DPFitting, StepsTaken  # noqa: F401  (StepsTaken: public name kept)
+from tf_dp.models.fitting import DPFitting
 from tf_dp.models.losses import per_example_loss
-from tf_dp.models.reporting import PRIVACY_FILE, PrivacyReporting  # noqa: F401
+from tf_dp.models.reporting import PrivacyReporting
 from tf_dp.models.step import DPTrainStep
 from tf_dp.models.validation import check_model
 from tf_dp.optimizers import DPOptimizer
@@ -184,7 +184,7 @@ def make_private(model: keras.Model) -> DPModel:
         return model
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    inputs, outputs = getattr(model, "inputs", None), getattr(model, "outputs", None)
+    inputs = getattr(model, "inputs", None)
     if not isinstance(model, Functional) or not inputs:
         raise TypeError(
             f"make_private needs a functional or Sequential model with known inputs; {model.name} is a "
