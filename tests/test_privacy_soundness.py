@@ -243,6 +243,25 @@ def test_budget_blocks_steps_after_a_callback_lowers_sigma():
     assert model.get_epsilon() == pytest.approx(epsilon(allowed), rel=1e-6) and model.get_epsilon() <= budget
 
 
+def test_a_budget_that_never_binds_is_computed_once_and_still_checks_sigma(monkeypatch):
+    """A budget far above what the run spends: its step search runs once per σ (not at
+    every batch), and the step still refuses a σ the search was not run for."""
+    from tf_dp.accounting import callbacks
+
+    searches = []
+    search = callbacks._max_total_steps
+    monkeypatch.setattr(callbacks, "_max_total_steps", lambda *a: searches.append(1) or search(*a))
+    allowed = []
+    probe = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: allowed.append(
+        [float(model.step_limit.allows(tf.constant(0, tf.int64), tf.constant(s))) for s in (2.0, 1.0)]))
+    x, y = data()
+    model = model_with(tf_dp.DPSGD(0.1, noise_multiplier=2.0, seed=1))
+    model.fit(x, y, batch_size=25, epochs=2, verbose=0, callbacks=[tf_dp.PrivacyBudget(1e12), probe])
+    assert int(model.privacy_ledger.steps.numpy()) == 2 * N // 25
+    assert len(searches) == 1
+    assert allowed == [[1.0, 0.0]] * (2 * N // 25)
+
+
 def test_target_epsilon_is_never_exceeded_with_steps_per_execution():
     x, y = data()
     model = model_with(tf_dp.DPSGD(0.1, seed=1), target_epsilon=2.0, steps_per_execution=3)

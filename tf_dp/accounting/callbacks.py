@@ -63,6 +63,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.max_epsilon = float(max_epsilon)
         self.save_path = save_path
         self._allowed_steps = None
+        self._limit_sigma = None  # the σ the current limit (or "never binds") was computed for
 
     def on_train_begin(self, logs=None):
         self._allowed_steps, self._limit_sigma = None, None
@@ -89,12 +90,18 @@ class PrivacyBudget(keras.callbacks.Callback):
     def _check_budget(self, raise_if_spent: bool = False):
         limit = self.model.step_limit
         sigma = self.model.optimizer.noise_multiplier
-        if self._allowed_steps is not None and sigma == self._limit_sigma:
+        if self._limit_sigma is not None and sigma == self._limit_sigma:
             return  # the limit in the step still holds (one variable read per batch, no ledger read)
-        self._limit_sigma = sigma
         self._allowed_steps = _max_total_steps(self.model, self.max_epsilon)
+        # "Never binds" is only known once the run's phase is in the ledger (q, N of this fit).
+        self._limit_sigma = sigma if self.model.privacy_ledger.phases() else None
         if self._allowed_steps is None:
-            limit.clear()
+            # Never binds at this σ; the step still checks σ, so a σ lowered by a later
+            # callback is blocked until the limit is recomputed for it.
+            if self._limit_sigma is None:
+                limit.clear()
+            else:
+                limit.set(_UNBOUNDED, sigma)
             return
         limit.set(self._allowed_steps, sigma)
         if self._steps() >= self._allowed_steps:
@@ -106,7 +113,7 @@ class PrivacyBudget(keras.callbacks.Callback):
             )
 
     def _sigma_changed(self) -> bool:
-        return self._allowed_steps is not None and self.model.optimizer.noise_multiplier != self._limit_sigma
+        return self._limit_sigma is not None and self.model.optimizer.noise_multiplier != self._limit_sigma
 
     def _steps(self) -> int:
         return int(self.model.privacy_ledger.steps.numpy())
