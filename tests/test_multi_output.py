@@ -119,3 +119,70 @@ def test_a_loss_key_naming_no_output_is_refused():
     with pytest.raises(ValueError, match="name no output"):
         per_example_loss({"label": LOSSES[0], "typo": LOSSES[1]}, None, model.output_names)(
             [tf.zeros([2], tf.int32), tf.zeros([2, T, 2])], model(np.zeros((2, FEATURES), "float32")))
+
+
+def _fit_one_step(model, x, y, clip, batch_size, seed, loss, loss_weights=None, **extra):
+    """−L × the update of one Poisson fit step with σ = 0 and SGD(1): the clipped sum."""
+    model.compile(optimizer=tf_dp.DPSGD(1.0, l2_norm_clip=clip, noise_multiplier=0.0, seed=0), loss=loss,
+                  loss_weights=loss_weights, delta=1e-3)
+    before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    model.fit(x, y, batch_size=batch_size, steps_per_epoch=1, epochs=1, sampling_seed=seed, verbose=0, **extra)
+    return [-(v.numpy().astype(np.float64) - b) * batch_size for v, b in zip(model.trainable_variables, before)]
+
+
+@pytest.mark.parametrize("spec", ["list", "dict"])
+def test_poisson_fit_with_several_targets_is_the_clipped_loop_sum_over_the_sampled_examples(spec):
+    """fit(x, [targets] or {name: targets}, per-output sample weights, batch_size=L) on arrays:
+    the step's clipped sum is the loop's over exactly the examples Poisson sampling drew for
+    that seed (the PoissonSampler's batch 0) — the same examples a single-output model's fit
+    trains on with the same seed."""
+    from tf_dp.sampling.poisson import PoissonSampler
+
+    rng = np.random.default_rng(3)
+    n, L, seed = 40, 10, 5
+    x = rng.normal(size=(n, FEATURES)).astype("float32")
+    labels, values = rng.integers(0, CLASSES, n).astype("int32"), rng.normal(size=(n, T, 2)).astype("float32")
+    weights = [rng.uniform(0.0, 2.0, n).astype("float32"), rng.uniform(0.0, 2.0, n).astype("float32")]
+    loss, loss_weights = SPECS[spec]
+    lambdas = [0.3, 2.0]
+    indices, mask = PoissonSampler(n, L, None, seed).batch(0)
+    rows = np.sort(indices[mask > 0])
+    assert 0 < len(rows) < n
+
+    keras.utils.set_random_seed(0)
+    model = two_output_model()
+
+    def reference(y, outputs, _=None, i=None):
+        return sum(lam * l(t, o, sample_weight=w[i:i + 1])
+                   for lam, l, t, o, w in zip(lambdas, LOSSES, y, outputs, weights))
+
+    def loop(clip):
+        norms, total = [], [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
+        for i in rows:
+            with tf.GradientTape() as tape:
+                value = reference([labels[i:i + 1], values[i:i + 1]], model(x[i:i + 1], training=True), i=i)
+            grads = [np.asarray(g, np.float64) for g in tape.gradient(value, model.trainable_variables)]
+            norm = np.sqrt(sum(np.sum(g ** 2) for g in grads))
+            norms.append(norm)
+            total = [t + min(1.0, clip / norm) * g for t, g in zip(total, grads)]
+        return np.array(norms), total
+
+    clip = float(np.median(loop(1e9)[0]))
+    _, want = loop(clip)
+    if spec == "list":
+        y, sample_weight = [labels, values], weights
+    else:
+        y, sample_weight = {"label": labels, "value": values}, {"label": weights[0], "value": weights[1]}
+    got = _fit_one_step(model, x, y, clip, L, seed, loss, loss_weights, sample_weight=sample_weight)
+    assert relative_error(got, want) <= 1e-4
+
+    # The same seed draws the same examples for a single-output model.
+    keras.utils.set_random_seed(1)
+    single = tf_dp.DPModel(*(lambda i: (i, keras.layers.Dense(CLASSES)(i)))(keras.Input((FEATURES,))))
+    single_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    total = [np.zeros(v.shape, np.float64) for v in single.trainable_variables]
+    for i in rows:
+        with tf.GradientTape() as tape:
+            value = single_loss(labels[i:i + 1], single(x[i:i + 1]))
+        total = [t + np.asarray(g, np.float64) for t, g in zip(total, tape.gradient(value, single.trainable_variables))]
+    assert relative_error(_fit_one_step(single, x, labels, 1e9, L, seed, single_loss), total) <= 1e-4

@@ -26,7 +26,7 @@ from tf_dp.clipping.engine import ONE_VIEW, AugmentationViews
 from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset, is_batched_dataset, num_rows,
                                poisson_dataset)
 from tf_dp.models.row_independence import DONOR_SEARCH, GUARD_ROWS, check_rows_independent
-from tf_dp.models.step import DPTrainStep
+from tf_dp.models.step import DPTrainStep, sample_weight_extras
 from tf_dp.optimizers import DPOptimizer
 from tf_dp.sampling.loader import augment_examples
 from tf_dp.sampling.sources import MARKER, ArraySource, SourceError, example_source
@@ -92,8 +92,9 @@ class DPFitting:
             (x, y), validation_data = _split_tail(source.x, source.y, validation_split)
             source = ArraySource(x, y)
             if sample_weight is not None:  # the tail's weights go with the validation rows
-                weights = np.asarray(sample_weight)
-                sample_weight, validation_data = weights[:len(source)], (*validation_data, weights[len(source):])
+                weights = tf.nest.map_structure(np.asarray, sample_weight)
+                sample_weight = tf.nest.map_structure(lambda w: w[:len(source)], weights)
+                validation_data = (*validation_data, tf.nest.map_structure(lambda w: w[len(source):], weights))
         num_examples = len(source)
         self._set_example_weights(sample_weight, class_weight, num_examples)
         x, y = source.head(GUARD_ROWS + DONOR_SEARCH)  # what the guard and the build read: never all of the data
@@ -233,8 +234,7 @@ class DPFitting:
     def _per_example_extras(self, num_examples: int) -> dict:
         """Per-example arrays the Poisson stream carries besides x and y (DP-SGD: the sample
         weights, if any; padding rows get weight 0)."""
-        weights = getattr(self, "_fit_sample_weight", None)
-        return {} if weights is None else {"sample_weight": weights}
+        return sample_weight_extras(getattr(self, "_fit_sample_weight", None))
 
     def _require_dp_compiled(self):
         if not isinstance(getattr(self, "optimizer", None), DPOptimizer) or self._dp_loss is None:
@@ -375,7 +375,8 @@ def _split_tail(x, y, fraction):
     cut = n - int(round(n * fraction))
     head = lambda a: a[:cut]  # noqa: E731
     tail = lambda a: a[cut:]  # noqa: E731
-    return (tf.nest.map_structure(head, x), head(y)), (tf.nest.map_structure(tail, x), tail(y))
+    return ((tf.nest.map_structure(head, x), tf.nest.map_structure(head, y)),
+            (tf.nest.map_structure(tail, x), tf.nest.map_structure(tail, y)))
 
 
 @contextlib.contextmanager

@@ -59,7 +59,7 @@ class DPTrainStep:
         """(x, y, mask, L) with x, y, mask shaped [chunks, P, ...]. L of an explicit batch is
         the phase's declared batch size, never the batch's realized size (ALGORITHMS §7)."""
         if is_poisson_batch(data):
-            y = self._weighted_targets(data["y"], data.get("sample_weight"))
+            y = self._weighted_targets(data["y"], poisson_sample_weight(data, getattr(self, "_fit_sample_weight", None)))
             return data["x"], y, data["mask"], data["expected_batch_size"][0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if y is None:
@@ -96,10 +96,8 @@ class DPTrainStep:
                 if w.ndim == 0 or w.shape[0] != num_examples:
                     raise ValueError(f"`sample_weight` needs one row per training example ({num_examples}), "
                                      f"got shape {list(w.shape)}.")
-            if not isinstance(sample_weight, np.ndarray):
-                raise ValueError("`fit` takes one `sample_weight` array (per example or per loss value) for Poisson "
-                                 "sampling; per-output sample weights are supported by train_on_batch and batched "
-                                 "datasets.")
+            if isinstance(sample_weight, list):
+                sample_weight = tuple(sample_weight)  # a structure tf.data carries (one array per output)
         self._fit_sample_weight = sample_weight if where == "fit" else None  # fit's Poisson extra
         table = None if class_weight is None else _class_weight_table(class_weight)
         previous = getattr(self, "_class_weight_table", None)
@@ -185,6 +183,31 @@ class DPTrainStep:
         with tf.GradientTape() as tape:
             penalty = self._regularization_loss()
         return tape.gradient(penalty, self.trainable_variables)
+
+
+SAMPLE_WEIGHT = "sample_weight"
+
+
+def sample_weight_extras(sample_weight) -> dict:
+    """fit's sample weights as Poisson extras (flat name → array, read with each example's
+    row): one array as "sample_weight", one per output as "sample_weight/<i>"."""
+    if sample_weight is None:
+        return {}
+    if not tf.nest.is_nested(sample_weight):
+        return {SAMPLE_WEIGHT: sample_weight}
+    return {f"{SAMPLE_WEIGHT}/{i}": w for i, w in enumerate(tf.nest.flatten(sample_weight))}
+
+
+def poisson_sample_weight(data: dict, structure):
+    """The sample weights of a Poisson batch, in the structure fit was given (inverse of
+    ``sample_weight_extras``)."""
+    if SAMPLE_WEIGHT in data:
+        return data[SAMPLE_WEIGHT]
+    flat = [data[key] for key in sorted((k for k in data if k.startswith(SAMPLE_WEIGHT + "/")),
+                                        key=lambda k: int(k.split("/")[1]))]
+    if not flat:
+        return None
+    return tf.nest.pack_sequence_as(structure, flat)
 
 
 def _class_weight_table(class_weight: dict) -> np.ndarray:

@@ -75,7 +75,7 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
         x, y, extras = source.graph_read(tf.reshape(indices, [-1]), tf.reshape(mask, [-1]))
         chunks = tf.shape(mask)[0]
         fold = lambda t: tf.reshape(t, tf.concat([[chunks, physical], tf.shape(t)[1:]], axis=0))  # noqa: E731
-        element = {"x": tf.nest.map_structure(fold, x), "y": fold(y), "mask": mask,
+        element = {"x": tf.nest.map_structure(fold, x), "y": tf.nest.map_structure(fold, y), "mask": mask,
                    "expected_batch_size": tf.fill([chunks], expected),
                    **{name: fold(value) for name, value in extras.items()}}
         return step, indices, element

@@ -62,7 +62,7 @@ def describe(spec) -> str:
         return f"{leaf.dtype.name}[{', '.join(str(d) for d in leaf.shape)}]"
 
     x_spec, y_spec = spec
-    return f"x: {tf.nest.map_structure(one, x_spec)}, y: {one(y_spec)}"
+    return f"x: {tf.nest.map_structure(one, x_spec)}, y: {tf.nest.map_structure(one, y_spec)}"
 
 
 def _is_lazy_array(value) -> bool:
@@ -86,6 +86,21 @@ def _column(value, name: str):
     if array.dtype == object:
         raise TypeError(f"`{name}` has ragged/object rows; pad them to one shape first.")
     return array
+
+
+def target_columns(y):
+    """y as a structure of columns: a dict of targets, or a list/tuple whose entries are all
+    arrays (one per output of a multi-output model), stays a structure; anything else (an
+    array, a plain list of labels) is one column."""
+    if isinstance(y, dict):
+        return {name: _column(value, f"y[{name!r}]") for name, value in y.items()}
+    if isinstance(y, (list, tuple)) and y and all(_is_array_column(v) for v in y):
+        return tuple(_column(v, f"y[{i}]") for i, v in enumerate(y))  # a tuple: tf.data takes no lists
+    return _column(y, "y")
+
+
+def _is_array_column(value) -> bool:
+    return (isinstance(value, (np.ndarray, tf.Tensor)) or _is_lazy_array(value)) and len(np.shape(value)) >= 1
 
 
 def _num_rows(column) -> int:
@@ -139,7 +154,7 @@ class ExampleSource:
         real = np.flatnonzero(mask != 0)
         x, y = self.read_examples(indices[real])
         place = lambda values: _scatter(values, real, len(indices))  # noqa: E731
-        return tf.nest.map_structure(place, x), place(y), self.read_extras(indices, mask)
+        return tf.nest.map_structure(place, x), tf.nest.map_structure(place, y), self.read_extras(indices, mask)
 
     def read_extras(self, indices: np.ndarray, mask: np.ndarray) -> dict:
         indices, mask = np.asarray(indices).reshape(-1), np.asarray(mask).reshape(-1)
@@ -188,13 +203,13 @@ class ArraySource(ExampleSource):
         if x is None or y is None:
             raise ValueError("DP fit needs both `x` and `y`.")
         self.x = tf.nest.map_structure(lambda v: _column(v, "x"), x)
-        self.y = _column(y, "y")
-        sizes = {_num_rows(c) for c in tf.nest.flatten(self.x)} | {_num_rows(self.y)}
+        self.y = target_columns(y)  # one column, or one per output of a multi-output model
+        sizes = {_num_rows(c) for c in tf.nest.flatten(self.x)} | {_num_rows(c) for c in tf.nest.flatten(self.y)}
         if len(sizes) != 1:
             raise ValueError(f"`x` and `y` must have the same number of rows, got sizes {sorted(sizes)}.")
         self._count = sizes.pop()
         column_spec = lambda c: tf.TensorSpec(c.shape[1:], tf.as_dtype(c.dtype))  # noqa: E731
-        self.spec = (tf.nest.map_structure(column_spec, self.x), column_spec(self.y))
+        self.spec = (tf.nest.map_structure(column_spec, self.x), tf.nest.map_structure(column_spec, self.y))
         self.extras = {}
         if extras:
             self.extras = self.with_extras(extras).extras
@@ -204,11 +219,11 @@ class ArraySource(ExampleSource):
 
     def read_examples(self, rows):
         take = lambda column: _take_rows(column, rows)  # noqa: E731
-        return tf.nest.map_structure(take, self.x), take(self.y)
+        return tf.nest.map_structure(take, self.x), tf.nest.map_structure(take, self.y)
 
     def in_memory(self) -> bool:
         return all(isinstance(c, np.ndarray) and not isinstance(c, np.memmap)
-                   for c in tf.nest.flatten(self.x) + [self.y])
+                   for c in tf.nest.flatten(self.x) + tf.nest.flatten(self.y))
 
 
 class RecordSource(ExampleSource):
@@ -235,7 +250,7 @@ class RecordSource(ExampleSource):
         self.spec = None
         if spec is None:
             x, y = self._example(0, self._fetch_one(0))
-            spec = (tf.nest.map_structure(_leaf_spec, x), _leaf_spec(y))
+            spec = (tf.nest.map_structure(_leaf_spec, x), tf.nest.map_structure(_leaf_spec, y))
         self.spec = spec
         self._pool = None
 
@@ -284,13 +299,17 @@ class RecordSource(ExampleSource):
             return x, y
         try:
             tf.nest.assert_same_structure(self.spec[0], x)
-            leaves = [_conform(v, s) for v, s in zip(tf.nest.flatten(x) + [y], tf.nest.flatten(self.spec[0]) + [self.spec[1]])]
+            tf.nest.assert_same_structure(self.spec[1], y)
+            leaves = [_conform(v, s) for v, s in zip(tf.nest.flatten(x) + tf.nest.flatten(y),
+                                                      tf.nest.flatten(self.spec[0]) + tf.nest.flatten(self.spec[1]))]
         except (ValueError, TypeError) as error:
-            got = (tf.nest.map_structure(lambda v: f"{np.asarray(v).dtype}{list(np.shape(v))}", x),
-                   f"{np.asarray(y).dtype}{list(np.shape(y))}")
+            got = tuple(tf.nest.map_structure(lambda v: f"{np.asarray(v).dtype}{list(np.shape(v))}", part)
+                        for part in (x, y))
             raise SourceError(f"example {index} does not match the source's spec: {describe(self.spec)}; "
                               f"got x: {got[0]}, y: {got[1]}") from error
-        return tf.nest.pack_sequence_as(self.spec[0], leaves[:-1]), leaves[-1]
+        count = len(tf.nest.flatten(self.spec[0]))
+        return (tf.nest.pack_sequence_as(self.spec[0], leaves[:count]),
+                tf.nest.pack_sequence_as(self.spec[1], leaves[count:]))
 
     def _examples(self, rows: np.ndarray) -> list:
         records = self._fetch(rows)
@@ -307,12 +326,11 @@ class RecordSource(ExampleSource):
         examples = self._examples(rows)
         x_spec, y_spec = self.spec
         x_leaves = [np.empty((len(rows), *s.shape), s.dtype.as_numpy_dtype) for s in tf.nest.flatten(x_spec)]
-        y = np.empty((len(rows), *y_spec.shape), y_spec.dtype.as_numpy_dtype)
+        y_leaves = [np.empty((len(rows), *s.shape), s.dtype.as_numpy_dtype) for s in tf.nest.flatten(y_spec)]
         for j, (x_j, y_j) in enumerate(examples):
-            for leaf, value in zip(x_leaves, tf.nest.flatten(x_j)):
+            for leaf, value in zip(x_leaves + y_leaves, tf.nest.flatten(x_j) + tf.nest.flatten(y_j)):
                 leaf[j] = value
-            y[j] = y_j
-        return tf.nest.pack_sequence_as(x_spec, x_leaves), y
+        return tf.nest.pack_sequence_as(x_spec, x_leaves), tf.nest.pack_sequence_as(y_spec, y_leaves)
 
 
 def _conform(value, spec: tf.TensorSpec) -> np.ndarray:
@@ -378,9 +396,9 @@ class SerializedSource(ExampleSource):
         rows = np.asarray(rows, np.int64)
         if not len(rows):
             empty = lambda s: np.zeros((0, *s.shape), s.dtype.as_numpy_dtype)  # noqa: E731
-            return tf.nest.map_structure(empty, self.spec[0]), empty(self.spec[1])
+            return tf.nest.map_structure(empty, self.spec[0]), tf.nest.map_structure(empty, self.spec[1])
         x, y = self._parse(tf.constant(self._serialized(rows), tf.string), int(rows[0]))
-        return tf.nest.map_structure(np.asarray, x), np.asarray(y)
+        return tf.nest.map_structure(np.asarray, x), tf.nest.map_structure(np.asarray, y)
 
     def graph_read(self, indices, mask):
         real = tf.reshape(tf.where(mask > 0), [-1])
@@ -403,7 +421,7 @@ class SerializedSource(ExampleSource):
             read = tf.autograph.experimental.do_not_convert(lambda i, m: [self.read_extras(i, m)[n] for n in names])
             flat = tf.numpy_function(read, [indices, mask], [specs[n].dtype for n in names], stateful=False)
             extras = {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
-        return tf.nest.map_structure(place, x), place(y), extras
+        return tf.nest.map_structure(place, x), tf.nest.map_structure(place, y), extras
 
 
 class DatasetSource(ExampleSource):
@@ -424,8 +442,9 @@ class DatasetSource(ExampleSource):
         stack = lambda *leaves: np.stack([np.asarray(v) for v in leaves]) if leaves else None  # noqa: E731
         if not examples:
             empty = lambda s: np.zeros((0, *s.shape), s.dtype.as_numpy_dtype)  # noqa: E731
-            return tf.nest.map_structure(empty, self.spec[0]), empty(self.spec[1])
-        return tf.nest.map_structure(stack, *[e[0] for e in examples]), stack(*[e[1] for e in examples])
+            return tf.nest.map_structure(empty, self.spec[0]), tf.nest.map_structure(empty, self.spec[1])
+        return (tf.nest.map_structure(stack, *[e[0] for e in examples]),
+                tf.nest.map_structure(stack, *[e[1] for e in examples]))
 
     def graph_read(self, indices, mask):
         real = tf.cast(mask > 0, tf.bool)
@@ -449,7 +468,7 @@ class DatasetSource(ExampleSource):
                 lambda i, m: [self.read_extras(i, m)[n] for n in names])
             flat = tf.numpy_function(read, [indices, mask], [specs[n].dtype for n in names], stateful=False)
             extras = {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
-        return tf.nest.map_structure(zero_padding, x), zero_padding(y), extras
+        return tf.nest.map_structure(zero_padding, x), tf.nest.map_structure(zero_padding, y), extras
 
 
 # ---------------------------------------------------------------------- TFRecord index
@@ -623,11 +642,11 @@ def materialized_source(dataset: tf.data.Dataset) -> ArraySource:
     if not parts_y:
         raise ValueError("A dataset given to DP fit must yield (x, y) pairs of single examples; it yielded none.")
     x = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *parts_x)
-    y = np.concatenate(parts_y)
-    size = sum(a.nbytes for a in tf.nest.flatten(x)) + y.nbytes
+    y = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *parts_y)
+    size = sum(a.nbytes for a in tf.nest.flatten(x) + tf.nest.flatten(y))
     warnings.warn(
         f"tf_dp: this tf.data.Dataset has no random access (it reads sequentially: a generator, TFRecords, filter, "
-        f"interleave, ...), so Poisson sampling needs all of it in memory: materialized {len(y):,} examples "
+        f"interleave, ...), so Poisson sampling needs all of it in memory: materialized {len(tf.nest.flatten(y)[0]):,} examples "
         f"({size / 2**20:,.1f} MiB). For data that do not fit, pass a random-access source instead (a "
         "tfds.data_source, an ArrayRecord reader, a numpy.memmap, tf_dp.sampling.TFRecordSource(files) with a "
         "parsing transform), or batch the dataset (fixed batches, accounted without sampling amplification).",
