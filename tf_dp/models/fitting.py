@@ -118,7 +118,7 @@ class DPFitting:
         dataset = self._poisson_stream(source, num_examples, batch_size, physical_batch_size, sampling_seed,
                                        steps_taken, augment, views)
         self._prebuild(x, y)
-        with self._views_for_fit(views), reading_errors_named():
+        with self._views_for_fit(views), reading_errors_named(source):
             return super().fit(
                 dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
                 initial_epoch=initial_epoch, steps_per_epoch=steps, shuffle=False, **kwargs,
@@ -380,14 +380,18 @@ def _split_tail(x, y, fraction):
 
 
 @contextlib.contextmanager
-def reading_errors_named():
+def reading_errors_named(source=None):
     """A source error raised inside the input pipeline reaches the user as SourceError
-    (naming the index and the expected spec), not as an opaque tf.errors op error."""
+    (naming the index and the expected spec), not as an opaque tf.errors op error; a
+    record the in-graph parse of a SerializedSource fails on is found and named too."""
     try:
         yield
     except tf.errors.OpError as error:
         message = error.message or ""
         if MARKER not in message:
+            named = source.diagnose() if hasattr(source, "diagnose") else None
+            if named is not None:
+                raise named from error
             raise
         detail = message[message.index(MARKER) + len(MARKER) + 2:].split("\n")[0]
         raise SourceError(detail) from error

@@ -26,6 +26,7 @@ expected spec: an example silently skipped would change the sampling the account
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import copy
 import os
@@ -312,13 +313,17 @@ class RecordSource(ExampleSource):
                 tf.nest.pack_sequence_as(self.spec[1], leaves[count:]))
 
     def _examples(self, rows: np.ndarray) -> list:
-        records = self._fetch(rows)
-        if self.transform is None or self.workers <= 1 or len(rows) < 2 * self.workers:
-            return [self._example(int(i), r) for i, r in zip(rows, records)]
+        batched = hasattr(self.source, "__getitems__")
+        if self.workers <= 1 or len(rows) < 2 * self.workers or (self.transform is None and batched):
+            return [self._example(int(i), r) for i, r in zip(rows, self._fetch(rows))]
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="tf_dp_source")
         parts = np.array_split(np.arange(len(rows)), self.workers)
-        work = lambda part: [self._example(int(rows[j]), records[j]) for j in part]  # noqa: E731
+        if batched:  # one batched read (TFDS, ArrayRecord), then the transform on the threads
+            records = self._fetch(rows)
+            work = lambda part: [self._example(int(rows[j]), records[j]) for j in part]  # noqa: E731
+        else:  # each thread reads its records too (a grain MapDataset runs its map functions in source[i])
+            work = lambda part: [self._example(int(rows[j]), self._fetch_one(int(rows[j]))) for j in part]  # noqa: E731
         return [example for done in self._pool.map(work, parts) for example in done]
 
     def read_examples(self, rows):
@@ -364,6 +369,9 @@ class SerializedSource(ExampleSource):
         self.records, self.parse = RecordSource(records, spec=(tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int8))), parse
         self._count = len(records)
         self.extras = {}
+        self._recent = collections.deque(maxlen=16)
+        # Eager reads (the guard's head rows, diagnose) run the same graph as the loader's.
+        self._parse_function = tf.function(parse, autograph=False, reduce_retracing=True)
         outputs = tf.function(parse, autograph=False).get_concrete_function(
             tf.TensorSpec([None], tf.string)).structured_outputs
         if not isinstance(outputs, (tuple, list)) or len(outputs) != 2:
@@ -377,6 +385,7 @@ class SerializedSource(ExampleSource):
         return self._count
 
     def _serialized(self, rows: np.ndarray) -> np.ndarray:
+        self._recent.append(np.array(rows, np.int64))  # for naming a record the graph parse fails on
         values = self.records._fetch(np.asarray(rows, np.int64))
         for index, value in zip(rows, values):
             if not isinstance(value, bytes):
@@ -387,7 +396,7 @@ class SerializedSource(ExampleSource):
 
     def _parse(self, serialized, first_index=None):
         try:
-            return self.parse(serialized)
+            return self._parse_function(serialized)
         except (tf.errors.OpError, ValueError) as error:
             raise SourceError(f"parse failed on the records of examples starting at {first_index} "
                               f"({type(error).__name__}: {error}); expected {describe(self.spec)}") from error
@@ -399,6 +408,24 @@ class SerializedSource(ExampleSource):
             return tf.nest.map_structure(empty, self.spec[0]), tf.nest.map_structure(empty, self.spec[1])
         x, y = self._parse(tf.constant(self._serialized(rows), tf.string), int(rows[0]))
         return tf.nest.map_structure(np.asarray, x), tf.nest.map_structure(np.asarray, y)
+
+    def diagnose(self) -> Optional[SourceError]:
+        """After the graph parse failed on some batch: parse the recently fetched records one
+        by one (eagerly) and name the first that fails, with the expected spec."""
+        for rows in reversed(list(self._recent)):
+            for index in rows:
+                try:
+                    serialized = self._serialized([int(index)])
+                    x, y = self._parse_function(tf.constant(serialized, tf.string))
+                    for leaf, spec in zip(tf.nest.flatten((x, y)), tf.nest.flatten(self.spec)):
+                        if tuple(leaf.shape[1:]) != tuple(spec.shape) or leaf.dtype != spec.dtype:
+                            raise ValueError(f"parsed as {leaf.dtype.name}{list(leaf.shape[1:])}")
+                except SourceError as error:
+                    return error
+                except Exception as error:  # noqa: BLE001 — named below
+                    return SourceError(f"parsing example {int(index)} failed ({type(error).__name__}: "
+                                       f"{str(error).splitlines()[0] if str(error) else ''}); expected {describe(self.spec)}")
+        return None
 
     def graph_read(self, indices, mask):
         real = tf.reshape(tf.where(mask > 0), [-1])
@@ -568,6 +595,10 @@ def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSo
         if transform is not None:
             raise ValueError("`transform` applies to random-access sources; map a tf.data.Dataset with .map(...).")
         return dataset_source(x)
+    if y is None and _is_tfds_data_source(x):
+        graph_path = _tfds_parsed(x, transform)
+        if graph_path is not None:
+            return graph_path
     if is_record_source(x, y, transform):
         return RecordSource(x, transform)
     if transform is not None:
@@ -576,6 +607,32 @@ def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSo
                              "paths, with labels in `y`), not arrays.")
         return RecordSource(PairedRecords(x, y), transform)
     return ArraySource(x, y)
+
+
+def _is_tfds_data_source(x) -> bool:
+    return type(x).__module__.startswith("tensorflow_datasets") and type(x).__name__ == "ArrayRecordDataSource"
+
+
+def _tfds_parsed(source, transform) -> Optional["SerializedSource"]:
+    """fit's fast path for a ``tfds.data_source``: records parsed in the graph with the
+    builder's features spec (``tf_dp.data.tfds.parsed_source``) — with the supervised keys
+    when there is no ``transform``, or with ``transform`` traced as TensorFlow ops when it
+    traces and gives what it gives in Python. Else None (per-record Python decoding), with
+    a warning saying why when a transform was given."""
+    from tf_dp.data import tfds as dp_tfds
+
+    try:
+        return dp_tfds.parsed_source(source, transform=transform)
+    except dp_tfds.GraphPathUnavailable as why:
+        if transform is None:  # TFDS records are feature dicts: without keys or a transform there is no (x, y)
+            raise ValueError(f"tf_dp: {why}") from why
+        if transform is not None:
+            warnings.warn(
+                f"tf_dp: this tfds.data_source is decoded record by record in Python (TFDS' __getitem__, then "
+                f"`transform`), not parsed in the graph: {why}. For the fast path write `transform` with "
+                "TensorFlow ops on the decoded features dict, or pass tf_dp.data.tfds.parsed_source(source, "
+                "keys=...) (see its docs).", stacklevel=4)
+        return None
 
 
 class PairedRecords:
