@@ -167,8 +167,12 @@ def token_loss(y, logits):
     return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), axis=-1)
 
 
-@pytest.mark.parametrize("tie_weights, soft_cap", [(True, None), (True, 2.0), (False, None)])
-def test_reversible_embedding_matches_loop(tie_weights, soft_cap):
+@pytest.mark.parametrize("tie_weights, soft_cap, form", [(True, None, "explicit"), (True, None, "gram"),
+                                                         (True, 2.0, "explicit"), (False, None, "explicit")])
+def test_reversible_embedding_matches_loop(tie_weights, soft_cap, form, monkeypatch):
+    from tf_dp.clipping import dense
+    if form == "gram":  # the float64 Gram form, used where [P, V, d] per-example tables do not fit
+        monkeypatch.setattr(dense, "EXPLICIT_FLOATS", 0)
     lm = TiedLanguageModel(tie_weights, soft_cap)
     inputs = keras.Input((5,), dtype="int32")
     model = keras.Model(inputs, lm(inputs))
@@ -264,11 +268,15 @@ def test_per_example_gradient_norms_per_layer_and_total(engine):
         np.testing.assert_allclose(norms.numpy(), want, rtol=1e-4)
 
 
-def test_tied_embedding_norm_is_safe_under_cancellation():
+@pytest.mark.parametrize("form", ["explicit", "gram"])
+def test_tied_embedding_norm_is_safe_under_cancellation(form):
     # Lookup and projection gradients of one row cancel: G = M·u − (M·u + δ) = −δ with
-    # M = 1e4. A float32 Gram form loses δ entirely; the rule's float64 Gram form with its
-    # certified bound must stay ≥ ‖δ‖ and release at most C per example.
-    from tf_dp.clipping.reversible_embedding import TiedEmbeddingContribution
+    # M = 1e4. A float32 Gram form loses δ entirely; the rule's float64 Gram form and its
+    # float32 explicit form, each with its certified bound, must stay ≥ ‖δ‖ and release at
+    # most C per example.
+    from tf_dp.clipping import reversible_embedding
+    contribution_class = {"explicit": reversible_embedding.ExplicitTiedEmbeddingContribution,
+                          "gram": reversible_embedding.TiedEmbeddingContribution}[form]
     rng = np.random.default_rng(0)
     width, vocabulary, big = 8, 5, 1e4
     u = rng.standard_normal((BATCH, 1, width)).astype("float32")
@@ -278,8 +286,7 @@ def test_tied_embedding_norm_is_safe_under_cancellation():
     e = np.zeros((BATCH, 1, vocabulary), "float32")
     e[:, 0, 0] = -1.0
     ids = np.zeros((BATCH, 1), "int64")
-    contribution = TiedEmbeddingContribution(tf.constant(ids), tf.constant(s), tf.constant(h), tf.constant(e),
-                                             vocabulary)
+    contribution = contribution_class(tf.constant(ids), tf.constant(s), tf.constant(h), tf.constant(e), vocabulary)
     exact = np.linalg.norm(s.astype(np.float64) - h.astype(np.float64), axis=(1, 2))  # row 0: s − h = −δ
     bound = np.sqrt(contribution.squared_norms().numpy())
     assert np.all(bound >= exact)
