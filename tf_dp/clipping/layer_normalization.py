@@ -42,16 +42,23 @@ class LayerNormalizationRule(GhostRule):
         return keras.ops.cast(z, layer.compute_dtype)
 
     def contribution(self, layer, recordings, output_grads):
-        gamma, beta = 0.0, 0.0
-        for recording, (grad,) in zip(recordings, output_grads):
-            grad = tf.zeros_like(recording.watched[0]) if grad is None else grad
-            d = tf.shape(grad)[-1]
-            s = tf.cast(tf.reshape(grad, tf.stack([tf.shape(grad)[0], -1, d])), tf.float32)
-            x_hat = tf.reshape(tf.cast(recording.inputs, s.dtype), tf.shape(s))
-            gamma += tf.reduce_sum(s * x_hat, axis=1)
-            beta += tf.reduce_sum(s, axis=1)
-        per_variable = {id(layer.gamma): gamma, id(layer.beta): beta}
-        return MaterializedContribution([per_variable[id(v)] for v in self.variables(layer)])
+        return scale_and_offset_contribution(recordings, output_grads, layer.gamma, layer.beta, self.variables(layer))
+
+
+def scale_and_offset_contribution(recordings, output_grads, scale, offset, variables) -> MaterializedContribution:
+    """Per-example ∂ℓ_i/∂γ = Σ_t s_it ⊙ x̂_it and ∂ℓ_i/∂β = Σ_t s_it ([P, d] each, float32)
+    of z = x̂ ⊙ γ + β on the last axis, from recordings whose inputs are x̂ and whose watched
+    tensor is z; summed over the recorded calls, in the order of ``variables``."""
+    scale_grads, offset_grads = 0.0, 0.0
+    for recording, (grad,) in zip(recordings, output_grads):
+        grad = tf.zeros_like(recording.watched[0]) if grad is None else grad
+        width = tf.shape(grad)[-1]
+        s = tf.cast(tf.reshape(grad, tf.stack([tf.shape(grad)[0], -1, width])), tf.float32)
+        x_hat = tf.reshape(tf.cast(recording.inputs, s.dtype), tf.shape(s))
+        scale_grads += tf.reduce_sum(s * x_hat, axis=1)
+        offset_grads += tf.reduce_sum(s, axis=1)
+    per_variable = {id(scale): scale_grads, id(offset): offset_grads}
+    return MaterializedContribution([per_variable[id(v)] for v in variables])
 
 
 register_ghost_rule(keras.layers.LayerNormalization, LayerNormalizationRule())

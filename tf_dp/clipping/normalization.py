@@ -17,7 +17,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.layer_per_example import MaterializedContribution
+from tf_dp.clipping.layer_normalization import scale_and_offset_contribution
 from tf_dp.clipping.registry import GhostRule, Recording, register_ghost_rule, register_ghost_rule_by_name
 
 
@@ -65,15 +65,8 @@ class AffineNormalizationRule(GhostRule):
         return keras.ops.cast(z, layer.compute_dtype)
 
     def contribution(self, layer, recordings, output_grads):
-        scale_grads, offset_grads = 0.0, 0.0
-        for recording, (grad,) in zip(recordings, output_grads):
-            grad = tf.zeros_like(recording.watched[0]) if grad is None else grad
-            width = tf.shape(grad)[-1]
-            s = tf.cast(tf.reshape(grad, tf.stack([tf.shape(grad)[0], -1, width])), tf.float32)
-            scale_grads += tf.reduce_sum(s * tf.reshape(recording.inputs, tf.shape(s)), axis=1)
-            offset_grads += tf.reduce_sum(s, axis=1)
-        per_variable = {id(self.scale(layer)): scale_grads, id(self.offset(layer)): offset_grads}
-        return MaterializedContribution([per_variable[id(v)] for v in self.variables(layer)])
+        return scale_and_offset_contribution(recordings, output_grads, self.scale(layer), self.offset(layer),
+                                             self.variables(layer))
 
 
 def _last_axis(layer) -> bool:
