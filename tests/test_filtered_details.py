@@ -218,3 +218,51 @@ def test_correction_subtracts_the_time_varying_variance_the_filter_leaves(name):
     expected, tolerances = _corrected_adamw(thetas, filtered, factors * noise_variance, lr, decay, floor)
     for t, (got, want, tolerance) in enumerate(zip(thetas[1:], expected, tolerances), start=1):
         assert np.all(np.abs(got - want) <= tolerance), f"step {t}: {np.max(np.abs(got - want) / tolerance)}"
+
+
+# -- ablation options of the study (issue 15 §1): correction = "stationary" | "full", FIBER's EMA filter
+
+@pytest.mark.parametrize("name", ["disk", "fiber"])
+@pytest.mark.parametrize("correction", ["stationary", "full"])
+def test_correction_options_subtract_the_stationary_or_the_full_variance(name, correction):
+    """Replayed in float64: "stationary" subtracts A·σ_w² from step 1 on (A = κ/(2 − κ) or
+    A(ω)), "full" subtracts σ_w² — at t = 1 these differ from A_1·σ_w² by 46–86 % here."""
+    lr, steps, floor = 0.01, 6, 1e-3
+    common = dict(noise_multiplier=2.0, l2_norm_clip=1.0, seed=5, variance_floor=floor, correction=correction)
+    if name == "disk":
+        optimizer = tf_dp.DiSK(lr, kappa=0.7, base="adam", noise_bias_correction=True, **common)
+        stationary, decay = ema_attenuation_factor(0.7), 0.0
+    else:
+        optimizer = tf_dp.FIBER(lr, kappa=0.7, omega=0.3, weight_decay=0.01, **common)
+        stationary, decay = attenuation_factor(0.3), 0.01
+    thetas, filtered, noise_variance = _run_on_constant_signal(optimizer, steps)
+    factor = stationary if correction == "stationary" else 1.0
+    assert float(optimizer.noise_variance_on_average(tf.float32)) == pytest.approx(factor * noise_variance, rel=1e-6)
+    expected, tolerances = _corrected_adamw(thetas, filtered, np.full(steps, factor * noise_variance), lr, decay, floor)
+    for t, (got, want, tolerance) in enumerate(zip(thetas[1:], expected, tolerances), start=1):
+        assert np.all(np.abs(got - want) <= tolerance), f"step {t}: {np.max(np.abs(got - want) / tolerance)}"
+    if name == "fiber":
+        assert tf_dp.FIBER.from_config(optimizer.get_config()).correction == correction
+
+
+def test_fiber_ema_filter_is_the_ema_with_gain_omega_and_its_attenuation():
+    """filter="ema": with σ = 0 the filtered constant signal s is s·(1 − (1 − ω)^t) (the EMA
+    started at zero; the innovation filter gives a different sequence), and with σ > 0 each
+    update subtracts the EMA's A_t·σ_w², A_t = (1 − ω)² A_{t−1} + ω² → ω/(2 − ω)."""
+    omega, steps, lr, floor = 0.4, 6, 0.01, 1e-3
+    silent = tf_dp.FIBER(lr, kappa=0.7, omega=omega, filter="ema", noise_multiplier=0.0, seed=5)
+    _, filtered, _ = _run_on_constant_signal(silent, steps)
+    want = 0.5 * (1 - (1 - omega) ** np.arange(1, steps + 1))
+    np.testing.assert_allclose([f[0] for f in filtered], want, rtol=1e-6)
+    noisy = tf_dp.FIBER(lr, kappa=0.7, omega=omega, filter="ema", weight_decay=0.0, noise_multiplier=2.0, seed=5,
+                        variance_floor=floor)
+    thetas, filtered, noise_variance = _run_on_constant_signal(noisy, steps)
+    factors = _ema_attenuations(omega, steps)
+    assert noisy.attenuation == pytest.approx(omega / (2 - omega))
+    expected, tolerances = _corrected_adamw(thetas, filtered, factors * noise_variance, lr, 0.0, floor)
+    for t, (got, want_t, tolerance) in enumerate(zip(thetas[1:], expected, tolerances), start=1):
+        assert np.all(np.abs(got - want_t) <= tolerance), f"step {t}: {np.max(np.abs(got - want_t) / tolerance)}"
+    with pytest.raises(ValueError, match="filter"):
+        tf_dp.FIBER(lr, filter="kalman")
+    with pytest.raises(ValueError, match="correction"):
+        tf_dp.DiSK(lr, correction="half")

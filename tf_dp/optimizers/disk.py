@@ -7,7 +7,8 @@
 
 With ``noise_bias_correction=True`` (Adam bases) the second moment is corrected by the
 noise variance the EMA leaves in g̃_t, A_t·σ_w² with A_t = (1 − κ)² A_{t−1} + κ² → κ/(2 − κ),
-not by the full σ_w² of ĝ_t.
+not by the full σ_w² of ĝ_t (``correction="stationary"``: κ/(2 − κ) from the first step;
+``"full"``: σ_w², for ablations).
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ class DiSK(TwoPointObservation, FilteredNoiseVariance, DPOptimizer):
         return super().__new__(cls)
 
     def __init__(self, learning_rate=0.001, kappa: float = 0.7, gamma: float = 0.5, base: Optional[str] = None,
-                 **kwargs):
+                 correction: str = "transient", **kwargs):
         kwargs.setdefault("name", type(self).__name__)
         super().__init__(learning_rate=learning_rate, **kwargs)
         self._init_two_point(kappa, gamma)
+        self._init_correction(correction)
         self.attenuation = ema_attenuation_factor(self.kappa)  # stationary κ/(2 − κ)
 
     def _advance_filter_noise(self, state):
@@ -66,7 +68,7 @@ class DiSK(TwoPointObservation, FilteredNoiseVariance, DPOptimizer):
         return super().update_step(filtered, variable, learning_rate)
 
     def get_config(self):
-        return {**super().get_config(), **self._two_point_config(), "base": self.base}
+        return {**super().get_config(), **self._two_point_config(), "base": self.base, "correction": self.correction}
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")

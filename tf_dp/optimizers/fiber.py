@@ -15,6 +15,11 @@ steps (``tf_dp.filters.innovation_noise_covariance_step``); it grows to the stat
 A(ω) = (2 − ω)/(4 − 3ω) within a few 1/ω steps.
 
 ω = 1 with a one-point observation (κ = 1) is DP-AdamBC; without the correction, DP-AdamW.
+
+Ablation options (issue 15's study): ``filter="ema"`` replaces the innovation filter by
+DiSK's EMA with gain ω, g̃_t = (1 − ω) g̃_{t−1} + ω ĝ_t (A_t → ω/(2 − ω)), keeping (κ, γ) for
+the observation only; ``correction="stationary"`` subtracts A·σ_w² from the first step and
+``"full"`` the whole σ_w² (DP-AdamBC's correction); ``noise_bias_correction=False`` none.
 """
 
 from __future__ import annotations
@@ -23,10 +28,20 @@ from typing import Optional
 
 import keras
 
-from tf_dp.filters import attenuation_factor, innovation_filter, innovation_noise_covariance_step
+from tf_dp import _checks
+from tf_dp.filters import (
+    attenuation_factor,
+    ema_attenuation_factor,
+    ema_filter,
+    ema_noise_variance_step,
+    innovation_filter,
+    innovation_noise_covariance_step,
+)
 from tf_dp.optimizers.dpadam import DEFAULT_VARIANCE_FLOOR
 from tf_dp.optimizers.dpadamw import DPAdamW
 from tf_dp.optimizers.noise_bias_correction import FilteredNoiseVariance
+
+FILTERS = ("innovation", "ema")
 from tf_dp.optimizers.two_point import TwoPointObservation
 
 
@@ -54,6 +69,8 @@ class FIBER(TwoPointObservation, FilteredNoiseVariance, DPAdamW):
         noise_multiplier: Optional[float] = None,
         seed: Optional[int] = None,
         secure_mode: bool = False,
+        filter: str = "innovation",
+        correction: str = "transient",
         name: str = "FIBER",
         **kwargs,
     ):
@@ -64,10 +81,15 @@ class FIBER(TwoPointObservation, FilteredNoiseVariance, DPAdamW):
             **kwargs,
         )
         self._init_two_point(kappa, gamma)
-        self.attenuation = attenuation_factor(omega)  # stationary A(ω)
+        self._init_correction(correction)
+        self.filter = _checks.one_of("filter", filter, FILTERS)
+        # stationary A(ω), or the EMA's ω/(2 − ω)
+        self.attenuation = attenuation_factor(omega) if self.filter == "innovation" else ema_attenuation_factor(omega)
         self.omega = float(omega)
 
     def _advance_filter_noise(self, state):
+        if self.filter == "ema":
+            return keras.ops.stack([ema_noise_variance_step(state[0], self.omega), state[1], state[2]])
         return innovation_noise_covariance_step(state, self.omega)
 
     def build(self, variables):
@@ -82,11 +104,15 @@ class FIBER(TwoPointObservation, FilteredNoiseVariance, DPAdamW):
         the bias-corrected AdamW update with g̃_t."""
         index = self._get_variable_index(variable)
         state, residual = self._filtered_gradients[index], self._residuals[index]
-        new_state, new_residual = innovation_filter(state.value, residual.value,
-                                                    keras.ops.cast(gradient, state.dtype), self.omega)
+        observation = keras.ops.cast(gradient, state.dtype)
+        if self.filter == "ema":
+            new_state = ema_filter(state.value, observation, self.omega)
+        else:
+            new_state, new_residual = innovation_filter(state.value, residual.value, observation, self.omega)
+            self.assign(residual, new_residual)
         self.assign(state, new_state)
-        self.assign(residual, new_residual)
         return super().update_step(new_state, variable, learning_rate)
 
     def get_config(self):
-        return {**super().get_config(), **self._two_point_config(), "omega": self.omega}
+        return {**super().get_config(), **self._two_point_config(), "omega": self.omega, "filter": self.filter,
+                "correction": self.correction}

@@ -14,6 +14,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_dp import _checks
+
+# What the filtered optimizers subtract from v̂ (study ablations, issue 15): the exact A_t of
+# the filter started at zero (default), its stationary A from the first step, or the full
+# σ_w² of the unfiltered ĝ (DP-AdamBC's correction, ignoring the filter).
+CORRECTIONS = ("transient", "stationary", "full")
+
 
 def corrected_adam_direction(
     m: tf.Tensor,
@@ -45,11 +52,15 @@ class FilteredNoiseVariance:
 
         noise_variance_on_average = A_t · σ_w²,   σ_w = σC/L,
 
-    what the filter actually leaves of this step's noise (for the DP-AdamBC correction).
+    what the filter actually leaves of this step's noise (for the DP-AdamBC correction);
+    ``correction="stationary"`` uses A instead of A_t, ``"full"`` σ_w² (ablations).
     Subclasses set ``_filter_noise_size`` and ``_advance_filter_noise(state)``; A_t = state[0].
     """
 
     _filter_noise_size = 1
+
+    def _init_correction(self, correction: str):
+        self.correction = _checks.one_of("correction", correction, CORRECTIONS)
 
     def build(self, variables):
         if self.built:
@@ -73,5 +84,10 @@ class FilteredNoiseVariance:
         return self._filter_noise.value[0]
 
     def noise_variance_on_average(self, dtype) -> tf.Tensor:
-        """A_t · σ_w²: the noise variance left in the filtered gradient g̃_t."""
-        return tf.cast(self.filter_attenuation(), dtype) * super().noise_variance_on_average(dtype)
+        """A_t · σ_w²: the noise variance left in the filtered gradient g̃_t (``correction``
+        "stationary": A·σ_w²; "full": σ_w²)."""
+        full = super().noise_variance_on_average(dtype)
+        if self.correction == "full":
+            return full
+        factor = self.filter_attenuation() if self.correction == "transient" else self.attenuation
+        return tf.cast(factor, dtype) * full
