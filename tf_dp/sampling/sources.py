@@ -298,6 +298,13 @@ class RecordSource(ExampleSource):
         x, y = record
         if self.spec is None:
             return x, y
+        fast = self._fast_leaves()
+        if fast is not None:  # one array x, one label y already of the spec's shape and dtype: no conversion
+            (x_shape, x_dtype), (y_shape, y_dtype) = fast
+            if getattr(x, "shape", None) == x_shape and getattr(x, "dtype", None) == x_dtype and \
+                    getattr(y, "shape", None) == y_shape and getattr(y, "dtype", None) == y_dtype and \
+                    isinstance(x, (np.ndarray, np.generic)) and isinstance(y, (np.ndarray, np.generic)):
+                return x, y
         try:
             tf.nest.assert_same_structure(self.spec[0], x)
             tf.nest.assert_same_structure(self.spec[1], y)
@@ -312,9 +319,19 @@ class RecordSource(ExampleSource):
         return (tf.nest.pack_sequence_as(self.spec[0], leaves[:count]),
                 tf.nest.pack_sequence_as(self.spec[1], leaves[count:]))
 
-    def _examples(self, rows: np.ndarray) -> list:
+    def _fast_leaves(self):
+        """((shape, numpy dtype) of x, of y) when both are single numeric tensors, else None."""
+        if not hasattr(self, "_fast"):
+            x_spec, y_spec = self.spec
+            numeric = lambda s: isinstance(s, tf.TensorSpec) and s.dtype != tf.string  # noqa: E731
+            self._fast = (((tuple(x_spec.shape), np.dtype(x_spec.dtype.as_numpy_dtype)),
+                           (tuple(y_spec.shape), np.dtype(y_spec.dtype.as_numpy_dtype)))
+                          if numeric(x_spec) and numeric(y_spec) else None)
+        return self._fast
+
+    def _examples(self, rows: np.ndarray, threads: bool = True) -> list:
         batched = hasattr(self.source, "__getitems__")
-        if self.workers <= 1 or len(rows) < 2 * self.workers or (self.transform is None and batched):
+        if not threads or self.workers <= 1 or len(rows) < 2 * self.workers or (self.transform is None and batched):
             return [self._example(int(i), r) for i, r in zip(rows, self._fetch(rows))]
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="tf_dp_source")
@@ -326,10 +343,19 @@ class RecordSource(ExampleSource):
             work = lambda part: [self._example(int(rows[j]), self._fetch_one(int(rows[j]))) for j in part]  # noqa: E731
         return [example for done in self._pool.map(work, parts) for example in done]
 
-    def read_examples(self, rows):
+    def head(self, count: int):
+        """The first examples, read in the calling thread (the guard's and the build's rows)."""
+        return self.read_examples(np.arange(min(count, len(self))), threads=False)
+
+    def read_examples(self, rows, threads: bool = True):
         rows = np.asarray(rows, np.int64)
-        examples = self._examples(rows)
+        examples = self._examples(rows, threads)
         x_spec, y_spec = self.spec
+        if self._fast_leaves() is not None:  # one x array, one y: stacked without a nest walk per example
+            if not examples:
+                return (np.empty((0, *x_spec.shape), x_spec.dtype.as_numpy_dtype),
+                        np.empty((0, *y_spec.shape), y_spec.dtype.as_numpy_dtype))
+            return np.stack([e[0] for e in examples]), np.stack([e[1] for e in examples])
         x_leaves = [np.empty((len(rows), *s.shape), s.dtype.as_numpy_dtype) for s in tf.nest.flatten(x_spec)]
         y_leaves = [np.empty((len(rows), *s.shape), s.dtype.as_numpy_dtype) for s in tf.nest.flatten(y_spec)]
         for j, (x_j, y_j) in enumerate(examples):
