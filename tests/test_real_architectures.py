@@ -296,3 +296,77 @@ def test_tied_embedding_norm_is_safe_under_cancellation(form):
         factors[i] = clip / max(bound[i], clip)
         released = contribution.weighted_sums(tf.constant(factors))[0].numpy()
         assert np.linalg.norm(released) <= clip * (1 + 1e-6)
+
+
+class BatchedMatmul(keras.layers.Layer):
+    """z = x W by tf.matmul on [B, T, d]: vectorized over examples of [1, T, d] this is a
+    BatchMatMulV2 of [P, 1, T, d] @ [d, k], the shape TensorFlow 2.21's oneDNN kernel crashes on."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 16), initializer="glorot_uniform")
+
+    def call(self, x):
+        return tf.matmul(x, self.w)
+
+
+def onednn_batch_matmul_case(engine):
+    """Both engines through the per-example vectorized path (no rule for BatchedMatmul) on 6
+    examples, against the loop; run in a subprocess by the test below."""
+    import warnings
+    global BATCH
+    BATCH = 6
+    inputs = keras.Input((8, 16))
+    hidden = keras.layers.Flatten()(BatchedMatmul()(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+    x = np.random.default_rng(0).normal(size=(BATCH, 8, 16)).astype("float32")
+    y = np.random.default_rng(1).integers(0, CLASSES, BATCH).astype("int32")
+    per_example = loop_per_example_gradients(model, x, y, sparse_ce)
+    norms = flat_norms(per_example)
+    clip = float(np.median(norms))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(BATCH), clip,
+                                      engine=engine)
+    np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy().astype(np.float64)), norms, rtol=1e-4)
+    factors = np.minimum(1.0, clip / np.sqrt(result.squared_norms.numpy().astype(np.float64)))
+    for v, total in enumerate(result.clipped_sums):
+        want = sum(factors[i] * per_example[i][v] for i in range(BATCH))
+        np.testing.assert_allclose(total.numpy(), want, rtol=1e-4, atol=1e-6)
+    from tf_dp.clipping.kernels import onednn_enabled
+    if onednn_enabled() and engine == "vectorized":  # the route around the crash says so, naming the op
+        # (the ghost engine's replay of this layer only needs the weight gradient x_iᵀ s_i: no broadcast)
+        assert any("crash TensorFlow's oneDNN kernel" in str(w.message) and "MatMul" in str(w.message)
+                   for w in caught), [str(w.message) for w in caught]
+    print("CASE OK")
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_per_example_map_routes_around_the_onednn_batch_matmul_crash(engine):
+    # Used to kill the process (SIGSEGV / "free(): invalid pointer" in oneDNN's batched matmul)
+    # in both engines with oneDNN on: the whole-model vectorized engine on keras-hub GPT-2.
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {tests!r}); import test_real_architectures as t; "
+            f"t.onednn_batch_matmul_case({engine!r})")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "CASE OK" in result.stdout, (result.returncode, result.stderr[-3000:])
+
+
+def test_crash_prone_batch_matmul_is_found_in_a_traced_graph():
+    from tf_dp.clipping import kernels
+    from unittest import mock
+
+    def ops_of(x_shape, w_shape):
+        function = tf.function(lambda x, w: tf.matmul(x, w))
+        graph = function.get_concrete_function(tf.TensorSpec(x_shape), tf.TensorSpec(w_shape)).graph
+        return graph.get_operations()
+
+    with mock.patch.object(kernels, "onednn_enabled", return_value=True):
+        assert kernels.crash_prone_batch_matmuls(ops_of([6, 1, 8, 16], [16, 16]))
+        assert kernels.crash_prone_batch_matmuls(ops_of([6, 1, 8, 16], [1, 16, 16]))
+        assert not kernels.crash_prone_batch_matmuls(ops_of([6, 8, 16], [16, 16]))
+        assert not kernels.crash_prone_batch_matmuls(ops_of([6, 2, 8, 16], [6, 2, 16, 16]))
+    with mock.patch.object(kernels, "onednn_enabled", return_value=False):
+        assert not kernels.crash_prone_batch_matmuls(ops_of([6, 1, 8, 16], [16, 16]))

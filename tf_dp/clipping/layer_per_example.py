@@ -9,12 +9,14 @@ i depends only on input row i (layers that mix examples are refused by the model
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import tensorflow as tf
 
 from tf_dp.clipping import rounding
 from tf_dp.clipping.clip import weighted_row_sum
-from tf_dp.clipping.kernels import require_grouped_conv_kernels
+from tf_dp.clipping.kernels import crash_prone_batch_matmuls, require_grouped_conv_kernels
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, unit_variables
 
 
@@ -139,9 +141,24 @@ class LayerPerExampleRule(GhostRule):
 def per_example_map(fn, elems, output_signature, layer_name: str):
     """``tf.vectorized_map(fn, elems)``, or ``tf.map_fn`` (one example at a time) where pfor
     cannot convert an op or a tensor of the layer (recurrent control flow) is not
-    accessible to it; a layer neither can run names itself in the error."""
+    accessible to it, or where the vectorized graph holds a batched matmul that crashes
+    oneDNN (kernels.crash_prone_batch_matmuls: checked in the traced graph before anything
+    runs); a layer neither can run names itself in the error."""
+    if tf.executing_eagerly():  # trace first, so that the graph is checked before it runs
+        return tf.function(lambda e: per_example_map(fn, e, output_signature, layer_name), autograph=False)(elems)
+    graph = tf.compat.v1.get_default_graph()
+    known = len(graph.get_operations())
     try:
-        return tf.vectorized_map(fn, elems)
+        result = tf.vectorized_map(fn, elems)
+        risky = crash_prone_batch_matmuls(graph.get_operations()[known:])
+        if not risky:
+            return result
+        warnings.warn(
+            f"tf_dp: per-example gradients of {layer_name!r} run one example at a time (tf.map_fn) instead of "
+            f"vectorized: the vectorized graph has batched matmuls that crash TensorFlow's oneDNN kernel "
+            f"({', '.join(sorted({f'{op.name} {[t.shape.as_list() for t in op.inputs[:2]]}' for op in risky})[:3])}). "
+            "Slower, same result; TF_ENABLE_ONEDNN_OPTS=0 avoids the kernel.", RuntimeWarning, stacklevel=2)
+        raise _CrashProne()
     except Exception as vectorized_error:  # pfor conversion errors have no common type
         try:
             return tf.map_fn(fn, elems, fn_output_signature=output_signature)
@@ -151,3 +168,7 @@ def per_example_map(fn, elems, output_signature, layer_name: str):
                 f"({type(vectorized_error).__name__}: {str(vectorized_error)[:200]}) and so did a per-example "
                 f"map_fn ({type(error).__name__}: {str(error)[:200]}). Register a GhostRule for this layer "
                 f"(tf_dp.clipping.register_ghost_rule) or use clipping_engine='vectorized'.") from error
+
+
+class _CrashProne(Exception):
+    """The vectorized graph would crash a kernel: use the per-example map instead."""
