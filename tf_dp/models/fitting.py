@@ -87,14 +87,21 @@ class DPFitting:
         views = self._augmentation_setting(augment, augmentation_multiplicity)
         source = example_source(x, y, transform)
         if validation_split:
-            if not isinstance(source, ArraySource):
-                raise ValueError("`validation_split` needs arrays; pass `validation_data` with a source or dataset.")
-            (x, y), validation_data = _split_tail(source.x, source.y, validation_split)
-            source = ArraySource(x, y)
+            if isinstance(source, ArraySource):
+                (x, y), validation_data = _split_tail(source.x, source.y, validation_split)
+                source = ArraySource(x, y)
+            else:  # a source: the tail's indices are carved off before sampling and never sampled
+                validation_batch = kwargs.pop("validation_batch_size", None) or batch_size or 32
+                source, validation_data = _split_source_tail(source, validation_split, validation_batch)
             if sample_weight is not None:  # the tail's weights go with the validation rows
                 weights = tf.nest.map_structure(np.asarray, sample_weight)
                 sample_weight = tf.nest.map_structure(lambda w: w[:len(source)], weights)
-                validation_data = (*validation_data, tf.nest.map_structure(lambda w: w[len(source):], weights))
+                tail_weights = tf.nest.map_structure(lambda w: w[len(source):], weights)
+                if isinstance(validation_data, tf.data.Dataset):
+                    batches = tf.data.Dataset.from_tensor_slices(tail_weights).batch(validation_batch)
+                    validation_data = tf.data.Dataset.zip((validation_data, batches)).map(lambda xy, w: (*xy, w))
+                else:
+                    validation_data = (*validation_data, tail_weights)
         num_examples = len(source)
         self._set_example_weights(sample_weight, class_weight, num_examples)
         x, y = source.head(GUARD_ROWS + DONOR_SEARCH)  # what the guard and the build read: never all of the data
@@ -377,6 +384,28 @@ def _split_tail(x, y, fraction):
     tail = lambda a: a[cut:]  # noqa: E731
     return ((tf.nest.map_structure(head, x), tf.nest.map_structure(head, y)),
             (tf.nest.map_structure(tail, x), tf.nest.map_structure(tail, y)))
+
+
+def _split_source_tail(source, fraction, batch: int):
+    """validation_split for a random-access source, as Keras splits arrays: the last
+    ``fraction`` of the examples (by index, before any sampling) validate, the rest train.
+    The training source is the first ``cut`` examples — N = cut for the sampler and the
+    accountant, so a validation index is never sampled — and the validation data are the
+    tail read in order, ``batch`` examples at a time (the source's own parallel reader)."""
+    fraction = _checks.in_open_unit_interval("validation_split", fraction)
+    n = len(source)
+    cut = n - int(round(n * fraction))
+    if not 0 < cut < n:
+        raise ValueError(f"validation_split={fraction} of {n} examples leaves {cut} to train on and {n - cut} to "
+                         "validate on; both must be at least one.")
+    training = source.first(cut)
+
+    def read(indices):
+        x, y, _ = source.graph_read(indices, tf.ones(tf.shape(indices), tf.float32))
+        return x, y
+
+    tail = tf.data.Dataset.range(cut, n).batch(batch).map(read, num_parallel_calls=tf.data.AUTOTUNE)
+    return training, tail.prefetch(1)
 
 
 @contextlib.contextmanager

@@ -167,6 +167,16 @@ class ExampleSource:
         """(x, y) of the first ``count`` examples (the row-independence guard and the model build read these)."""
         return self.read_examples(np.arange(min(count, len(self))))
 
+    def first(self, count: int) -> "ExampleSource":
+        """A copy holding only examples [0, count) (indices unchanged): what
+        ``fit(validation_split=...)`` trains on; the rest is never sampled."""
+        if not 0 < count <= len(self):
+            raise ValueError(f"first({count}) of a source of {len(self)} examples.")
+        source = copy.copy(self)
+        source._count = count
+        source.extras = {name: column[:count] for name, column in self.extras.items()}
+        return source
+
     def with_extras(self, extras: Optional[dict]) -> "ExampleSource":
         """A copy of this source that also reads the per-example ``extras`` arrays."""
         extras = {name: _column(value, name) for name, value in (extras or {}).items()}
