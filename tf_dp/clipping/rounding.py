@@ -77,23 +77,33 @@ def certified_norm(squared_estimate: tf.Tensor, cancellation_scale: tf.Tensor, g
 _CHUNK = 16  # float32 partial sums of 16 squares: relative error ≤ γ_16 ≈ 1e-6
 
 
+def _chunk_size(n) -> int:
+    """Squares per float32 partial sum: 16, or for a static length n that 16 does not divide
+    the largest divisor of n in [8, 16) (5000 → 10), which spares padding a copy of the
+    tensor (a vocabulary-wide [P, T, V] one in the tied-embedding rule); else 16 with padding."""
+    if n is None or n % _CHUNK == 0:
+        return _CHUNK
+    return next((size for size in range(_CHUNK - 1, 7, -1) if n % size == 0), _CHUNK)
+
+
 def squared_sum(tensor: tf.Tensor) -> tf.Tensor:
     """An upper bound on Σ x² over the last axis, in float64. All terms are positive, so the
-    only error is relative: float32 tensors are summed in chunks of 16 in float32 (≤ γ_16),
-    the chunk sums in float64 (≤ γ_n of float64), and the result is raised by both. A float32
-    chunk beyond 3.4e38 gives inf: that example is then dropped (clip factor 0), never
-    clipped too weakly."""
+    only error is relative: float32 tensors are summed in chunks of at most 16 in float32
+    (≤ γ_16), the chunk sums in float64 (≤ γ_n of float64), and the result is raised by both.
+    A float32 chunk beyond 3.4e38 gives inf: that example is then dropped (clip factor 0),
+    never clipped too weakly."""
     if tensor.dtype == tf.float64:
         n = tf.shape(tensor)[-1]
         return tf.reduce_sum(tf.square(tensor), axis=-1) * (1.0 + gamma(n + 1))
     n = tensor.shape[-1]
-    if n is None or n % _CHUNK:
-        pad = tf.math.floormod(-tf.shape(tensor)[-1], _CHUNK)
+    chunk = _chunk_size(n)
+    if n is None or n % chunk:
+        pad = tf.math.floormod(-tf.shape(tensor)[-1], chunk)
         tensor = tf.pad(tensor, tf.concat([tf.zeros([tf.rank(tensor) - 1, 2], tf.int32), [[0, pad]]], axis=0))
-    chunks = tf.reshape(tensor, tf.concat([tf.shape(tensor)[:-1], [-1, _CHUNK]], axis=0))
+    chunks = tf.reshape(tensor, tf.concat([tf.shape(tensor)[:-1], [-1, chunk]], axis=0))
     partial = tf.cast(tf.reduce_sum(tf.square(chunks), axis=-1), tf.float64)
     total = tf.reduce_sum(partial, axis=-1)
-    return total * (1.0 + gamma(_CHUNK, tensor.dtype)) * (1.0 + gamma(tf.shape(partial)[-1]))
+    return total * (1.0 + gamma(chunk, tensor.dtype)) * (1.0 + gamma(tf.shape(partial)[-1]))
 
 
 def row_norms(tensor: tf.Tensor) -> tf.Tensor:
