@@ -58,7 +58,11 @@ class DPFitting:
         ``numpy.memmap``, ``h5py``-like), unbatched ``tf.data`` datasets and random-access
         sources (``len(x)`` and ``x[i]`` → example i as (x, y), or as a record that
         ``transform(record)`` turns into one: ``tfds.data_source``, ArrayRecord, grain,
-        ``tf_dp.sampling.TFRecordSource``); only the sampled examples are read.
+        ``tf_dp.sampling.TFRecordSource``); only the sampled examples are read. A
+        ``tfds.data_source`` is parsed in the graph with its builder's features spec
+        (``tf_dp.data.tfds.parsed_source``: its supervised keys, or ``transform`` when it
+        traces as TensorFlow ops). ``validation_split`` takes the last fraction of any
+        source's indices before sampling (N is the training part).
 
         An epoch is ⌈N/L⌉ steps. Batched datasets cannot be resampled: they are trained
         as given, averaged over the declared ``batch_size`` (default: the dataset's static
