@@ -16,6 +16,8 @@ Protocol (identical for every optimizer; docs/fiber_study.md has the results):
   * Diagnostic (``--stage=diagnostic``): on real FIBER training, Adam's second moment v̂ of
     g̃ per coordinate against A_t·σ_w², next to the same filter + second moment run on pure
     noise of variance σ_w² alongside (what v̂ would be with no signal at all).
+  * Defaults (``--stage=defaults``): DP-AdamBC and FIBER with their constructor defaults and
+    the old / new default variance floor, on the validation split.
   * Curves (``--stage=curves``): DP-SGD at its tuned config run for T/2, T and 2T steps, σ
     calibrated for each length (is T long enough for DP-SGD to plateau?).
 
@@ -50,7 +52,7 @@ from tf_dp.accounting import calibrate_noise_multiplier  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", "mnist", "mnist | fashion_mnist | tweets | transfer (Fashion-MNIST pre-training, "
                     "private MNIST fine-tuning).")
-flags.DEFINE_enum("stage", "main", ["main", "ablation", "diagnostic", "curves", "all", "report"],
+flags.DEFINE_enum("stage", "main", ["main", "ablation", "diagnostic", "curves", "defaults", "all", "report"],
                   "What to run ('all': main, diagnostic, ablation in turn).")
 flags.DEFINE_list("epsilons", ["0.5", "8", "2", "1", "4"], "Target ε values, in the order they are run.")
 flags.DEFINE_list("optimizers", ["dpsgd", "dpadamw", "dpadambc", "disk", "fiber"], "Optimizers.")
@@ -391,6 +393,21 @@ def run_curves(task, data, epsilons):
                     **result})
 
 
+# Untuned first tries (issue 15 §2): the constructor defaults lr = 1e-3, κ = 0.7, γ = 0.5, ω = 0.5
+# with the old and the new default variance floor, scored on the validation split.
+DEFAULT_TRIES = {"old_floor": 5e-8, "new_floor": 5e-6}
+
+
+def run_defaults(task, data, epsilons):
+    for epsilon in epsilons:
+        for name in ("dpadambc", "fiber"):
+            for label, floor in DEFAULT_TRIES.items():
+                config = {"learning_rate": 1e-3, "variance_floor": floor, "kappa": 0.7, "gamma": 0.5, "omega": 0.5}
+                _, result = train(task, data, "tune", name, config, epsilon, seed=0)
+                append({"kind": "defaults", "optimizer": name, "epsilon": epsilon, "try": label, "config": config,
+                        **result})
+
+
 # ----------------------------------------------------------------------------- report
 def summary(records, keys: dict) -> dict:
     """{(optimizer, ε): (mean, std, n, CPU ms/step)} over the test seeds."""
@@ -456,7 +473,8 @@ def main(argv):
         print(report(read_records(FLAGS.output), run_keys()))
         return
     data = load_task(FLAGS.task, FLAGS.train_examples)
-    stages = {"main": run_main, "diagnostic": run_diagnostic, "ablation": run_ablation, "curves": run_curves}
+    stages = {"main": run_main, "diagnostic": run_diagnostic, "ablation": run_ablation, "curves": run_curves,
+              "defaults": run_defaults}
     for stage in ["main", "diagnostic", "ablation"] if FLAGS.stage == "all" else [FLAGS.stage]:
         stages[stage](FLAGS.task, data, epsilons)
     print(markdown(read_records(FLAGS.output), run_keys()))

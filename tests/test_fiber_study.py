@@ -1,0 +1,65 @@
+"""Issue 15 §1: the study script's protocol on a smoke run (benchmarks/fiber_study.py --quick)."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "fiber_study.py"
+
+
+def _study():
+    spec = importlib.util.spec_from_file_location("fiber_study", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_search_space_spans_two_decades_of_learning_rate_and_the_design_is_stratified():
+    study = _study()
+    for name, space in study.SPACES.items():
+        configs = study.latin_hypercube(space, 12, seed=0)
+        assert len(configs) == 12
+        assert study.lr_decades(configs) >= 2, name
+        for key, (low, high, scale) in space.items():
+            values = sorted(c[key] for c in configs)
+            assert low <= values[0] and values[-1] <= high
+            # one draw per stratum: the k-th smallest lies in the k-th of 12 equal strata
+            unit = [(math.log(v / low) / math.log(high / low)) if scale == "log" else (v - low) / (high - low)
+                    for v in values]
+            assert all(k / 12 <= u <= (k + 1) / 12 for k, u in enumerate(unit)), (name, key)
+    floors = [c["variance_floor"] for c in study.latin_hypercube(study.SPACES["fiber"], 12)]
+    assert math.log10(max(floors) / min(floors)) >= 4  # several decades of variance_floor
+
+
+def test_quick_run_covers_every_optimizer_and_epsilon_and_tests_the_validation_argmax(tmp_path):
+    output = tmp_path / "study.jsonl"
+    optimizers = ["dpadamw", "fiber"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--stage=all", f"--optimizers={','.join(optimizers)}", "--ablations=ema_filter",
+                    f"--output={output}"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=3000)
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    tests = [r for r in records if r["kind"] == "test" and not r["optimizer"].startswith("ablation")]
+    assert {(r["optimizer"], r["epsilon"]) for r in tests} == {(o, 1.0) for o in optimizers}
+    for name in optimizers:
+        tuned = [r for r in records if r["kind"] == "tune" and r["optimizer"] == name]
+        assert len(tuned) == 2
+        chosen = max(tuned, key=lambda r: r["accuracy"])["config"]
+        assert all(r["config"] == chosen for r in tests if r["optimizer"] == name)
+        # σ is calibrated to ε on each run's own training rows
+        assert all(0.9 <= r["epsilon_spent"] <= 1.0 for r in tuned + tests if r["optimizer"] == name)
+    ablations = {r["optimizer"] for r in records if r["optimizer"].startswith("ablation:")}
+    assert ablations == {"ablation:ema_filter"}
+    [ema] = [r for r in records if r["optimizer"] == "ablation:ema_filter"]
+    assert ema["config"] == next(r["config"] for r in tests if r["optimizer"] == "fiber")
+    [diagnostic] = [r for r in records if r["kind"] == "diagnostic"]
+    for row in diagnostic["probe"]:
+        # the companion filter on pure N(0, σ_w²) noise leaves A_t·σ_w² (tens of thousands of coordinates)
+        assert row["noise_only_filtered_var_over_target"] == pytest.approx(1.0, rel=0.05)
+        assert 0 < row["A_t"] <= 1
