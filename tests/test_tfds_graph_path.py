@@ -16,7 +16,11 @@ pytest.importorskip("array_record", reason="array-record is not installed (tf-dp
 import tf_dp  # noqa: E402
 from tf_dp.data import tfds as dp_tfds  # noqa: E402
 from tf_dp.sampling import PoissonSampler  # noqa: E402
-from tf_dp.sampling.sources import RecordSource, SerializedSource, SourceError, example_source  # noqa: E402
+from tf_dp.sampling.sources import RecordSource, SerializedSource, SourceError  # noqa: E402
+
+
+def example_source(x, transform=None):  # what fit reads x through
+    return dp_tfds.source_for_fit(x, transform) or RecordSource(x, transform)
 
 N, CLASSES, HEAD = 300, 5, 67  # HEAD: rows the row-independence guard and the build read
 

@@ -280,3 +280,26 @@ def _check_against_python(examples, source, transform, rows: int):
                 raise GraphPathUnavailable(
                     f"`transform` traced as TensorFlow ops gives other values than in Python on example {int(i)} "
                     f"(graph {g.dtype}{list(g.shape)}, Python {p.dtype}{list(p.shape)})")
+
+
+def source_for_fit(x, transform=None):
+    """fit's fast path for a ``tfds.data_source``: records parsed in the graph with the
+    builder's features spec (``parsed_source``) — with the supervised keys when there is no
+    ``transform``, or with ``transform`` traced as TensorFlow ops when it traces and gives
+    what it gives in Python. None for anything else, or (with a warning saying why) when
+    ``transform`` cannot run in the graph: then fit decodes record by record in Python."""
+    import warnings
+
+    if not is_data_source(x):
+        return None
+    try:
+        return parsed_source(x, transform=transform)
+    except GraphPathUnavailable as why:
+        if transform is None:  # TFDS records are feature dicts: without keys or a transform there is no (x, y)
+            raise ValueError(f"tf_dp: {why}") from why
+        warnings.warn(
+            f"tf_dp: this tfds.data_source is decoded record by record in Python (TFDS' __getitem__, then "
+            f"`transform`), not parsed in the graph: {why}. For the fast path write `transform` with "
+            "TensorFlow ops on the decoded features dict, or pass tf_dp.data.tfds.parsed_source(source, "
+            "keys=...) (see its docs).", stacklevel=4)
+        return None

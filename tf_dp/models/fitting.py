@@ -23,6 +23,7 @@ from tf_dp import _checks
 from tf_dp.accounting import calibrate_noise_multiplier
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
 from tf_dp.clipping.engine import ONE_VIEW, AugmentationViews
+from tf_dp.data.tfds import source_for_fit as tfds_source_for_fit
 from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset, is_batched_dataset, num_rows,
                                poisson_dataset)
 from tf_dp.models.row_independence import DONOR_SEARCH, GUARD_ROWS, check_rows_independent
@@ -89,7 +90,9 @@ class DPFitting:
             return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
                                            steps_per_epoch, **kwargs)
         views = self._augmentation_setting(augment, augmentation_multiplicity)
-        source = example_source(x, y, transform)
+        source = tfds_source_for_fit(x, transform) if y is None else None  # a tfds.data_source: parsed in the graph
+        if source is None:
+            source = example_source(x, y, transform)
         if validation_split:
             if isinstance(source, ArraySource):
                 (x, y), validation_data = _split_tail(source.x, source.y, validation_split)

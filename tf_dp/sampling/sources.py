@@ -631,10 +631,6 @@ def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSo
         if transform is not None:
             raise ValueError("`transform` applies to random-access sources; map a tf.data.Dataset with .map(...).")
         return dataset_source(x)
-    if y is None and _is_tfds_data_source(x):
-        graph_path = _tfds_parsed(x, transform)
-        if graph_path is not None:
-            return graph_path
     if is_record_source(x, y, transform):
         return RecordSource(x, transform)
     if transform is not None:
@@ -643,32 +639,6 @@ def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSo
                              "paths, with labels in `y`), not arrays.")
         return RecordSource(PairedRecords(x, y), transform)
     return ArraySource(x, y)
-
-
-def _is_tfds_data_source(x) -> bool:
-    return type(x).__module__.startswith("tensorflow_datasets") and type(x).__name__ == "ArrayRecordDataSource"
-
-
-def _tfds_parsed(source, transform) -> Optional["SerializedSource"]:
-    """fit's fast path for a ``tfds.data_source``: records parsed in the graph with the
-    builder's features spec (``tf_dp.data.tfds.parsed_source``) — with the supervised keys
-    when there is no ``transform``, or with ``transform`` traced as TensorFlow ops when it
-    traces and gives what it gives in Python. Else None (per-record Python decoding), with
-    a warning saying why when a transform was given."""
-    from tf_dp.data import tfds as dp_tfds
-
-    try:
-        return dp_tfds.parsed_source(source, transform=transform)
-    except dp_tfds.GraphPathUnavailable as why:
-        if transform is None:  # TFDS records are feature dicts: without keys or a transform there is no (x, y)
-            raise ValueError(f"tf_dp: {why}") from why
-        if transform is not None:
-            warnings.warn(
-                f"tf_dp: this tfds.data_source is decoded record by record in Python (TFDS' __getitem__, then "
-                f"`transform`), not parsed in the graph: {why}. For the fast path write `transform` with "
-                "TensorFlow ops on the decoded features dict, or pass tf_dp.data.tfds.parsed_source(source, "
-                "keys=...) (see its docs).", stacklevel=4)
-        return None
 
 
 class PairedRecords:
