@@ -317,7 +317,9 @@ def run_ablation(task, data, epsilons):
         base = best_config(records, optimizer="fiber", epsilon=epsilon, **run_keys())
         for variant in FLAGS.ablations or ABLATIONS:
             extra, config = ABLATIONS[variant], ablation_config(base, variant)
-            for seed in range(FLAGS.seeds):
+            done = {r["seed"] for r in matching(records, kind="test", optimizer=f"ablation:{variant}", epsilon=epsilon,
+                                                **run_keys())}  # resume
+            for seed in sorted(set(range(FLAGS.seeds)) - done):
                 _, result = train(task, data, "test", "fiber", config, epsilon, seed=seed, extra=extra)
                 append({"kind": "test", "optimizer": f"ablation:{variant}", "epsilon": epsilon, "seed": seed,
                         "config": config, **result})
