@@ -220,3 +220,37 @@ def test_no_released_contribution_exceeds_clip(monkeypatch, kind):
             if not delta <= clip * (1 + TOLERANCE):
                 failures.append(f"#{i}: batch difference {delta / clip:.4g}·C")
     assert not failures, f"{len(failures)} of {CANDIDATES}: " + "; ".join(failures[:8])
+
+
+LONG = 12544  # positions of a 224² image's first 7×7 stride-2 conv
+
+
+def test_long_sequences_take_explicit_float64_products_never_a_t_by_t_gram():
+    """T·u > 2⁻¹² (float32 beyond 4,096 positions): the explicit [P, d, k] products in float64,
+    never the [P, T, T] Gram matrices (40 GB for 32 examples of a 224² image)."""
+    @tf.function(input_signature=[tf.TensorSpec([32, LONG, 147]), tf.TensorSpec([32, LONG, 64])])
+    def norms(a, s):
+        return dense.DenseContribution(a, s, has_bias=True, flat=False).squared_norms()
+
+    graph = norms.get_concrete_function().graph
+    quadratic = [op.name for op in graph.get_operations()
+                 for t in op.outputs if t.shape.rank == 3 and t.shape[1] == LONG and t.shape[2] == LONG]
+    assert not quadratic, quadratic
+
+
+def test_long_sequence_norms_and_clipped_sums_match_float64():
+    rng = np.random.default_rng(7)
+    steps, width, out = 5000, 3, 2
+    inputs = keras.Input((steps, width))
+    model = keras.Model(inputs, keras.layers.Dense(out)(inputs))
+    x = rng.normal(size=(3, steps, width)).astype("float32")
+    x[0, 1::2] = -x[0, ::2] + 1e-3  # cancelling positions
+    r = rng.normal(size=(3, steps, out)).astype("float32")
+    truth = _dense_truth(x, r)
+    clip = float(np.median(_norms(truth)))
+    result = clipped_gradient_sum(model, linear_loss, tf.constant(x), tf.constant(r), tf.ones(3), tf.constant(clip))
+    np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), _norms(truth), rtol=1e-5)
+    factors = np.minimum(1.0, clip / _norms(truth))
+    expected = [np.tensordot(factors, g, axes=1) for g in truth]
+    for got, want in zip(result.clipped_sums, expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6 * np.abs(want).max())

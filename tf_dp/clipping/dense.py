@@ -51,13 +51,16 @@ class DenseContribution(Contribution):
     ‖∂ℓ_i/∂θ‖ and the norm of what is released for example i, with M_i = Σ_t ‖a_it‖‖s_it‖
     (kernel) or Σ_t ‖s_it‖ (bias):
 
-    explicit (when [P, d, k] fits EXPLICIT_FLOATS): ĝ_i = A_iᵀS_i summed in the input
-        precision, U_i = ‖ĝ_i‖(1 + γ_{dk+1})^½ + γ_{T+1} M_i, released Σ_i c_i ĝ_i;
-    Gram (otherwise): in float64, U_i = sqrt(max(Ñ_i², 0) + γ_{T²+d+k+1} M_i²) + γ_{T+2} M_i
+    explicit: ĝ_i = A_iᵀS_i summed in precision p, U_i = ‖ĝ_i‖(1 + γ_{dk+1})^½ + γ_{T+1} M_i,
+        released Σ_i c_i ĝ_i; p is the input precision, or float64 where T·u would make the
+        γ_{T+1} M_i slack loose (T·u > 2⁻¹²: float32 beyond 4,096 positions, TF32);
+    Gram: in float64, U_i = sqrt(max(Ñ_i², 0) + γ_{T²+d+k+1} M_i²) + γ_{T+2} M_i
         with Ñ_i² = Σ_{t,t'} (a_it·a_it')(s_it·s_it'), released Aᵀ(c ⊙ S) in float64.
 
-    The explicit form costs T·d·k per example, the Gram form T²(d+k) on top of the same
-    T·d·k for its clipped sum, so the explicit form is used wherever it fits.
+    The explicit form costs T·d·k per example and holds [P, d, k]; the Gram form costs
+    T²(d+k) on top of the same T·d·k for its clipped sum and holds [P, T, T]. The explicit
+    form is used wherever [P, d, k] fits EXPLICIT_FLOATS, however long T is (a 224² image's
+    first conv: T = 12,544 positions, [P, T, T] in float64 = 40 GB at P = 32, d·k = 9,408).
     """
 
     def __init__(self, activations, output_grads, has_bias: bool, flat: bool):
@@ -81,41 +84,53 @@ class DenseContribution(Contribution):
                                              steps + 2)
         else:
             kernel = rounding.certified_norm(_squares(self._per_example_kernel_grads()), scale, 0, steps + 1,
-                                             summed_dtype=self.s.dtype)
+                                             summed_dtype=self._summed_dtype())
         norms = tf.square(kernel)
         if self.has_bias:  # b̂_i = Σ_t s_it, materialized in either form
-            bias_dtype = tf.float64 if self._uses_gram_form() else self.s.dtype
             norms += tf.square(rounding.certified_norm(_squares(self._per_example_bias_grads()),
                                                        tf.reduce_sum(s_norms, axis=1), 0, steps + 1,
-                                                       summed_dtype=bias_dtype))
+                                                       summed_dtype=self._summed_dtype()))
         return norms
 
-    def _uses_gram_form(self) -> bool:
-        """The Gram form only where the explicit [P, d, k] products would exceed
-        EXPLICIT_FLOATS float32 units, or where the input precision's rounding bound over T
-        terms would be loose (TF32: T·2⁻¹¹ > 2⁻¹²)."""
-        examples, steps, d, k = self.a.shape[0], self.a.shape[1], self.a.shape[2], self.s.shape[2]
-        width = 2 if self.s.dtype == tf.float64 else 1
-        too_big = examples is not None and width * examples * d * k > EXPLICIT_FLOATS
+    def _explicit_dtype(self):
+        """Precision of the explicit products: the inputs' own, or float64 where their
+        rounding bound over T terms would be loose (T·u > 2⁻¹²)."""
+        steps = self.a.shape[1]
         coarse = steps is not None and steps * rounding.unit_roundoff(self.s.dtype) > 2.0 ** -12
-        return too_big or coarse
+        return tf.float64 if coarse else self.s.dtype
+
+    def _uses_gram_form(self) -> bool:
+        """The Gram form only where the explicit [P, d, k] products exceed EXPLICIT_FLOATS
+        float32 units (a long T alone calls for float64 explicit products, not for [P, T, T])."""
+        examples, d, k = self.a.shape[0], self.a.shape[2], self.s.shape[2]
+        width = 2 if self._explicit_dtype() == tf.float64 else 1
+        return examples is not None and width * examples * d * k > EXPLICIT_FLOATS
+
+    def _summed_dtype(self):
+        """Precision of the per-example sums over T (kernel and bias) and of what is released."""
+        return tf.float64 if self._uses_gram_form() else self._explicit_dtype()
 
     def _float64_inputs(self):
         if not hasattr(self, "_inputs64"):
             self._inputs64 = tf.cast(self.a, tf.float64), tf.cast(self.s, tf.float64)
         return self._inputs64
 
+    def _summed_inputs(self):
+        """a and s in the precision of the sums over T."""
+        if self._summed_dtype() == tf.float64:
+            return self._float64_inputs()
+        return self.a, self.s
+
     def _per_example_kernel_grads(self) -> tf.Tensor:
         """A_iᵀS_i for every example, [P, d, k]; computed once, used for norms and sums."""
         if not hasattr(self, "_kernel_grads"):
-            self._kernel_grads = tf.einsum("ptd,ptk->pdk", self.a, self.s)
+            self._kernel_grads = tf.einsum("ptd,ptk->pdk", *self._summed_inputs())
         return self._kernel_grads
 
     def _per_example_bias_grads(self) -> tf.Tensor:
-        """Σ_t s_it for every example, [P, k] (float64 in the Gram form); norms and sums alike."""
+        """Σ_t s_it for every example, [P, k], in the precision of the sums over T."""
         if not hasattr(self, "_bias_grads"):
-            s = self._float64_inputs()[1] if self._uses_gram_form() else self.s
-            self._bias_grads = tf.reduce_sum(s, axis=1)
+            self._bias_grads = tf.reduce_sum(self._summed_inputs()[1], axis=1)
         return self._bias_grads
 
     def weighted_sums(self, clip_factors):
@@ -124,7 +139,7 @@ class DenseContribution(Contribution):
         else:
             bias = [self._per_example_bias_grads()] if self.has_bias else []
             if not self._uses_gram_form():  # Σ_i c_i ĝ_i from the stored products
-                c = tf.cast(clip_factors, self.s.dtype)
+                c = tf.cast(clip_factors, self._summed_dtype())
                 sums = sum_over_examples(_sum_of_products, c, self._per_example_kernel_grads(), *bias)
             else:
                 c = tf.cast(clip_factors, tf.float64)
