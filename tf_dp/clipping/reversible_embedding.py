@@ -113,8 +113,11 @@ class ExplicitTiedEmbeddingContribution(Contribution):
         return [weighted_row_sum(clip_factors, self.grads)]
 
 
-def _explicit_fits(examples, vocabulary_size: int, width: int) -> bool:
-    return examples is not None and examples * vocabulary_size * width <= dense.EXPLICIT_FLOATS
+def _explicit_fits(examples, vocabulary_size: int, width: int, steps) -> bool:
+    """[P, V, d] fits the memory budget, and the float32 sums over the T1 + T2 positions keep a
+    tight rounding bound (T·u ≤ 2⁻¹², as Dense's explicit form; never under TF32)."""
+    tight = steps is not None and steps * rounding.unit_roundoff(tf.float32) <= 2.0 ** -12
+    return tight and examples is not None and examples * vocabulary_size * width <= dense.EXPLICIT_FLOATS
 
 
 class ReversibleEmbeddingRule(GhostRule):
@@ -162,7 +165,8 @@ class ReversibleEmbeddingRule(GhostRule):
         h = tf.concat([tf.cast(t, tf.float32) for t in h], 1) if h else tf.zeros(tf.stack([batch, 0, width]))
         e = tf.concat([tf.cast(t, tf.float32) for t in e], 1) if e else tf.zeros(tf.stack([batch, 0, vocabulary]))
         if layer.tie_weights:
-            if _explicit_fits(s.shape[0], vocabulary, width):
+            steps = None if s.shape[1] is None or h.shape[1] is None else s.shape[1] + h.shape[1]
+            if _explicit_fits(s.shape[0], vocabulary, width, steps):
                 return ExplicitTiedEmbeddingContribution(ids, s, h, e, vocabulary)
             return TiedEmbeddingContribution(ids, s, h, e, vocabulary)
         lookup = EmbeddingContribution(ids, s, vocabulary)
