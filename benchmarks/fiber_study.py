@@ -57,7 +57,7 @@ flags.DEFINE_enum("stage", "main", ["main", "ablation", "diagnostic", "curves", 
 flags.DEFINE_list("epsilons", ["0.5", "8", "2", "1", "4"], "Target ε values, in the order they are run.")
 flags.DEFINE_list("optimizers", ["dpsgd", "dpadamw", "dpadambc", "disk", "fiber"], "Optimizers.")
 flags.DEFINE_integer("configs", 12, "Tuning configurations per optimizer and ε.")
-flags.DEFINE_integer("seeds", 2, "Seeds of the final runs.")
+flags.DEFINE_integer("seeds", 3, "Seeds of the final runs.")
 flags.DEFINE_integer("steps", 200, "Step budget T (every optimizer, every ε).")
 flags.DEFINE_integer("batch_size", 64, "Expected Poisson batch size L.")
 flags.DEFINE_integer("train_examples", 10_000, "Training rows (a fixed subset); the validation split is carved "
