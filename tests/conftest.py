@@ -31,3 +31,30 @@ def loop_per_example_gradients(model, x, y, loss=sparse_ce):
 
 def flat_norms(per_example):
     return np.array([np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads)) for grads in per_example])
+
+
+class CountingSource:
+    """A map-style source over arrays that records every index read."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.reads = x, y, []
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        self.reads.append(int(index))
+        return self.x[index], self.y[index]
+
+
+def small_dp_classifier(features: int, classes: int, sigma: float, engine: str = "ghost"):
+    """features → Dense(8, tanh) → Dense(classes), DP-SGD(0.2, C = 0.5, σ, seed 3), weights seeded."""
+    import tf_dp
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((features,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = tf_dp.DPModel(inputs, keras.layers.Dense(classes)(hidden))
+    model.compile(optimizer=tf_dp.DPSGD(0.2, l2_norm_clip=0.5, noise_multiplier=sigma, seed=3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), clipping_engine=engine)
+    return model

@@ -2,13 +2,12 @@
 are read (through grain's own map), and the same sampling seed gives the same batches — so
 the same weights — as fit on the arrays the map computes."""
 
-import keras
 import numpy as np
 import pytest
 
 grain = pytest.importorskip("grain", reason="grain is not installed (pip install tf-dp[datasets])")
 
-import tf_dp  # noqa: E402
+from conftest import small_dp_classifier  # noqa: E402
 from tf_dp.sampling import PoissonSampler  # noqa: E402
 from tf_dp.sampling.sources import SourceError  # noqa: E402
 
@@ -36,12 +35,7 @@ def features_of(record):  # grain's map: example i computed from its index, as a
 
 
 def model():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((FEATURES,))
-    m = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES)(keras.layers.Dense(8, activation="tanh")(inputs)))
-    m.compile(optimizer=tf_dp.DPSGD(0.2, l2_norm_clip=0.5, noise_multiplier=0.7, seed=3),
-              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return m
+    return small_dp_classifier(FEATURES, CLASSES, sigma=0.7)
 
 
 def test_grain_map_dataset_reads_only_sampled_indices_and_equals_arrays():

@@ -6,12 +6,11 @@ import os
 import tracemalloc
 import warnings
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_dp
+from conftest import CountingSource, small_dp_classifier
 from tf_dp.models.data import poisson_dataset
 from tf_dp.sampling import PoissonSampler
 from tf_dp.sampling.sources import RecordSource, SourceError, TFRecordSource, example_source
@@ -23,20 +22,6 @@ HEAD = 67  # rows the row-independence guard and the model build read (GUARD_ROW
 def data(n=N):
     rng = np.random.default_rng(0)
     return rng.normal(size=(n, FEATURES)).astype("float32"), rng.integers(0, CLASSES, n).astype("int32")
-
-
-class CountingSource:
-    """A map-style source that records every index read."""
-
-    def __init__(self, x, y):
-        self.x, self.y, self.reads = x, y, []
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, index):
-        self.reads.append(int(index))
-        return self.x[index], self.y[index]
 
 
 class Synthetic:
@@ -54,13 +39,7 @@ class Synthetic:
 
 
 def model(sigma=0.5, features=FEATURES, engine="ghost"):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((features,))
-    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
-    m = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES if features == FEATURES else 10)(hidden))
-    m.compile(optimizer=tf_dp.DPSGD(0.2, l2_norm_clip=0.5, noise_multiplier=sigma, seed=3),
-              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), clipping_engine=engine)
-    return m
+    return small_dp_classifier(features, CLASSES if features == FEATURES else 10, sigma, engine)
 
 
 def same_weights(a, b):

@@ -2,11 +2,10 @@
 is carved off before sampling — N for the sampler and the accountant is the training part,
 a validation index is never sampled — and validates as Keras' split of arrays does."""
 
-import keras
 import numpy as np
 import pytest
 
-import tf_dp
+from conftest import CountingSource, small_dp_classifier
 from tf_dp.sampling.sources import SerializedSource
 
 N, FEATURES, CLASSES, SPLIT = 200, 5, 3, 0.25
@@ -18,25 +17,8 @@ def data():
     return rng.normal(size=(N, FEATURES)).astype("float32"), rng.integers(0, CLASSES, N).astype("int32")
 
 
-class Counting:
-    def __init__(self, x, y):
-        self.x, self.y, self.reads = x, y, []
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, index):
-        self.reads.append(int(index))
-        return self.x[index], self.y[index]
-
-
 def model():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((FEATURES,))
-    m = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES)(keras.layers.Dense(8, activation="tanh")(inputs)))
-    m.compile(optimizer=tf_dp.DPSGD(0.2, l2_norm_clip=0.5, noise_multiplier=0.9, seed=3),
-              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return m
+    return small_dp_classifier(FEATURES, CLASSES, sigma=0.9)
 
 
 def test_a_source_splits_off_its_tail_before_sampling_like_arrays_cut_by_hand():
@@ -44,7 +26,7 @@ def test_a_source_splits_off_its_tail_before_sampling_like_arrays_cut_by_hand():
     by_hand, split = model(), model()
     reference = by_hand.fit(x[:CUT], y[:CUT], validation_data=(x[CUT:], y[CUT:]), batch_size=30, epochs=1,
                             steps_per_epoch=2, sampling_seed=4, verbose=0)
-    source = Counting(x, y)
+    source = CountingSource(x, y)
     history = split.fit(source, validation_split=SPLIT, batch_size=30, epochs=1, steps_per_epoch=2, sampling_seed=4,
                         verbose=0)
     for a, b in zip(by_hand.get_weights(), split.get_weights()):
@@ -62,7 +44,7 @@ def test_sample_weights_of_the_tail_go_with_the_validation_rows():
     x, y = data()
     weights = np.linspace(0.5, 2.0, N).astype("float32")
     split = model()
-    history = split.fit(Counting(x, y), sample_weight=weights, validation_split=SPLIT, batch_size=30, epochs=1,
+    history = split.fit(CountingSource(x, y), sample_weight=weights, validation_split=SPLIT, batch_size=30, epochs=1,
                         steps_per_epoch=2, sampling_seed=1, verbose=0)
     # validated after the last step: the final weights on the tail rows with the tail's own weights
     expected = split.evaluate(x[CUT:], y[CUT:], sample_weight=weights[CUT:], verbose=0)
