@@ -370,3 +370,21 @@ def test_crash_prone_batch_matmul_is_found_in_a_traced_graph():
         assert not kernels.crash_prone_batch_matmuls(ops_of([6, 2, 8, 16], [6, 2, 16, 16]))
     with mock.patch.object(kernels, "onednn_enabled", return_value=False):
         assert not kernels.crash_prone_batch_matmuls(ops_of([6, 1, 8, 16], [16, 16]))
+
+
+def test_a_reversible_embedding_used_only_for_lookups_is_an_embedding(monkeypatch):
+    """BERT's token table is a ReversibleEmbedding never called with reverse=True: its
+    gradient is a plain lookup gradient, taken by the Embedding form (no [P, V, d] tables)."""
+    from tf_dp.clipping import reversible_embedding
+
+    explicit = []
+    monkeypatch.setattr(reversible_embedding.ExplicitTiedEmbeddingContribution, "__init__",
+                        lambda self, *a: explicit.append(1) or pytest.fail("tied tables for lookups only"))
+    inputs = keras.Input((6,), dtype="int32")
+    table = keras.layers.ReversibleEmbedding(11, 4, tie_weights=True)
+    pooled = keras.layers.GlobalAveragePooling1D()(table(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(pooled))
+    ids = np.random.randint(0, 11, (BATCH, 6)).astype("int32")
+    ids[0, :3] = 2  # a repeated id within one example
+    assert_ghost_matches_loop(model, ids)
+    assert not explicit

@@ -159,11 +159,14 @@ class ReversibleEmbeddingRule(GhostRule):
             else:
                 h.append(_sequence(recording.inputs, width))
                 e.append(_sequence(grad, vocabulary))
+        lookups_only = not h
         batch = tf.shape(output_grads[0][0] if output_grads[0][0] is not None else recordings[0].watched[0])[0]
         ids = tf.concat(ids, 1) if ids else tf.zeros(tf.stack([batch, 0]), tf.int64)
         s = tf.concat([tf.cast(t, tf.float32) for t in s], 1) if s else tf.zeros(tf.stack([batch, 0, width]))
         h = tf.concat([tf.cast(t, tf.float32) for t in h], 1) if h else tf.zeros(tf.stack([batch, 0, width]))
         e = tf.concat([tf.cast(t, tf.float32) for t in e], 1) if e else tf.zeros(tf.stack([batch, 0, vocabulary]))
+        if layer.tie_weights and lookups_only:  # BERT's token table: a plain Embedding's gradient
+            return EmbeddingContribution(ids, s, vocabulary)
         if layer.tie_weights:
             steps = None if s.shape[1] is None or h.shape[1] is None else s.shape[1] + h.shape[1]
             if _explicit_fits(s.shape[0], vocabulary, width, steps):
