@@ -150,25 +150,26 @@ def per_example_map(fn, elems, output_signature, layer_name: str):
     known = len(graph.get_operations())
     try:
         result = tf.vectorized_map(fn, elems)
-        risky = crash_prone_batch_matmuls(graph.get_operations()[known:])
-        if not risky:
-            return result
-        warnings.warn(
-            f"tf_dp: per-example gradients of {layer_name!r} run one example at a time (tf.map_fn) instead of "
-            f"vectorized: the vectorized graph has batched matmuls that crash TensorFlow's oneDNN kernel "
-            f"({', '.join(sorted({f'{op.name} {[t.shape.as_list() for t in op.inputs[:2]]}' for op in risky})[:3])}). "
-            "Slower, same result; TF_ENABLE_ONEDNN_OPTS=0 avoids the kernel.", RuntimeWarning, stacklevel=2)
-        raise _CrashProne()
-    except Exception as vectorized_error:  # pfor conversion errors have no common type
-        try:
-            return tf.map_fn(fn, elems, fn_output_signature=output_signature)
-        except Exception as error:
-            raise ValueError(
-                f"tf_dp cannot compute per-example gradients of layer {layer_name!r}: vectorized_map failed "
-                f"({type(vectorized_error).__name__}: {str(vectorized_error)[:200]}) and so did a per-example "
-                f"map_fn ({type(error).__name__}: {str(error)[:200]}). Register a GhostRule for this layer "
-                f"(tf_dp.clipping.register_ghost_rule) or use clipping_engine='vectorized'.") from error
+    except Exception as error:  # pfor conversion errors have no common type
+        return _map_one_by_one(fn, elems, output_signature, layer_name, f"vectorized_map failed "
+                               f"({type(error).__name__}: {str(error)[:200]})")
+    risky = crash_prone_batch_matmuls(graph.get_operations()[known:])
+    if not risky:
+        return result
+    ops = ", ".join(sorted({f"{op.name} {[t.shape.as_list() for t in op.inputs[:2]]}" for op in risky})[:3])
+    warnings.warn(
+        f"tf_dp: per-example gradients of {layer_name!r} run one example at a time (tf.map_fn) instead of "
+        f"vectorized: the vectorized graph has batched matmuls that crash TensorFlow's oneDNN kernel ({ops}). "
+        "Slower, same result; TF_ENABLE_ONEDNN_OPTS=0 avoids the kernel.", RuntimeWarning, stacklevel=2)
+    return _map_one_by_one(fn, elems, output_signature, layer_name, f"its vectorized graph crashes oneDNN ({ops})")
 
 
-class _CrashProne(Exception):
-    """The vectorized graph would crash a kernel: use the per-example map instead."""
+def _map_one_by_one(fn, elems, output_signature, layer_name: str, why_not_vectorized: str):
+    """``tf.map_fn`` over the examples; if that fails too, an error naming the layer and both causes."""
+    try:
+        return tf.map_fn(fn, elems, fn_output_signature=output_signature)
+    except Exception as error:
+        raise ValueError(
+            f"tf_dp cannot compute per-example gradients of layer {layer_name!r}: {why_not_vectorized}, and a "
+            f"per-example map_fn failed too ({type(error).__name__}: {str(error)[:200]}). Register a GhostRule for "
+            f"this layer (tf_dp.clipping.register_ghost_rule) or use clipping_engine='vectorized'.") from error
