@@ -383,10 +383,18 @@ class StepsTaken(keras.callbacks.Callback):
         self._last_batch = batch
 
 
-def _split_tail(x, y, fraction):
+def _training_rows(n: int, fraction) -> int:
+    """Rows before the validation tail, as Keras cuts arrays: n − round(n · fraction); both parts non-empty."""
     fraction = _checks.in_open_unit_interval("validation_split", fraction)
-    n = num_rows(x)
     cut = n - int(round(n * fraction))
+    if not 0 < cut < n:
+        raise ValueError(f"validation_split={fraction} of {n} examples leaves {cut} to train on and {n - cut} to "
+                         "validate on; both must be at least one.")
+    return cut
+
+
+def _split_tail(x, y, fraction):
+    cut = _training_rows(num_rows(x), fraction)
     head = lambda a: a[:cut]  # noqa: E731
     tail = lambda a: a[cut:]  # noqa: E731
     return ((tf.nest.map_structure(head, x), tf.nest.map_structure(head, y)),
@@ -399,12 +407,8 @@ def _split_source_tail(source, fraction, batch: int):
     The training source is the first ``cut`` examples — N = cut for the sampler and the
     accountant, so a validation index is never sampled — and the validation data are the
     tail read in order, ``batch`` examples at a time (the source's own parallel reader)."""
-    fraction = _checks.in_open_unit_interval("validation_split", fraction)
     n = len(source)
-    cut = n - int(round(n * fraction))
-    if not 0 < cut < n:
-        raise ValueError(f"validation_split={fraction} of {n} examples leaves {cut} to train on and {n - cut} to "
-                         "validate on; both must be at least one.")
+    cut = _training_rows(n, fraction)
     training = source.first(cut)
 
     def read(indices):
