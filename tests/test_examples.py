@@ -1,4 +1,5 @@
-"""The main job's script runs end to end on real MNIST and Fashion-MNIST with tiny settings."""
+"""The main job's script runs end to end on real MNIST and Fashion-MNIST, on scattering
+features and on pixels, with tiny settings."""
 
 import pathlib
 import re
@@ -10,10 +11,11 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("dataset", ["mnist", "fashion_mnist"])
-def test_mnist_dpsgd_example_prints_epsilon_and_accuracy(dataset):
+@pytest.mark.parametrize("dataset,features", [("mnist", "scattering"), ("fashion_mnist", "pixels")])
+def test_mnist_dpsgd_example_prints_epsilon_and_accuracy(dataset, features):
     command = [
-        sys.executable, str(ROOT / "examples" / "mnist_dpsgd.py"), f"--dataset={dataset}", "--epochs=1",
+        sys.executable, str(ROOT / "examples" / "mnist_dpsgd.py"), f"--dataset={dataset}", f"--features={features}",
+        "--epochs=1",
         "--train_examples=3000", "--batch_size=100", "--learning_rate=0.5", "--noise_multiplier=1.0", "--ema_momentum=0.9",
     ]  # the recipe's averaging (β = 0.997) would still be mostly the initial weights after 30 steps
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A DP clipping step on the tutorial CNN (examples/mnist_dpsgd.py), and on grouped
+# A DP clipping step on the tutorial CNN and the ScatterNet head (examples/mnist_dpsgd.py), and on grouped
 # Conv1D/Conv2D layers, against per-example gradients by a GradientTape loop. Prints JSON.
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -32,6 +32,14 @@ SCRIPT = textwrap.dedent("""
         x = keras.layers.MaxPooling2D(2, 1)(x)
         x = keras.layers.Dense(32, activation="relu")(keras.layers.Flatten()(x))
         return keras.Model(inputs, keras.layers.Dense(10)(x)), (28, 28, 1)
+
+    def scatternet_head():  # the main job's model on 81 x 7 x 7 scattering features
+        inputs = keras.Input((7, 7, 81))
+        x = keras.layers.GroupNormalization(27, center=False, scale=False)(inputs)
+        x = keras.layers.Conv2D(16, 3, strides=2, padding="same", activation="tanh")(x)
+        x = keras.layers.Conv2D(32, 3, padding="same", activation="tanh")(x)
+        x = keras.layers.Dense(32, activation="tanh")(keras.layers.Flatten()(x))
+        return keras.Model(inputs, keras.layers.Dense(10)(x)), (7, 7, 81)
 
     def grouped(rank):
         shape = (12, 4) if rank == 1 else (9, 9, 4)
@@ -62,7 +70,8 @@ SCRIPT = textwrap.dedent("""
         sum_error = max(float(np.max(np.abs(g - w)) / (np.max(np.abs(w)) + 1e-12)) for g, w in zip(sums, want))
         return {{"norm_error": norm_error, "sum_error": sum_error}}
 
-    report = {{"ghost cnn": check(tutorial_cnn, "ghost"), "vectorized cnn": check(tutorial_cnn, "vectorized")}}
+    report = {{"ghost cnn": check(tutorial_cnn, "ghost"), "vectorized cnn": check(tutorial_cnn, "vectorized"),
+              "ghost scatternet": check(scatternet_head, "ghost")}}
     for rank in (1, 2):
         report["ghost grouped %dd" % rank] = check(lambda: grouped(rank), "ghost")
         report["vectorized grouped %dd" % rank] = check(lambda: grouped(rank), "vectorized")
@@ -84,7 +93,8 @@ def report(request):
     return _run(request.param)
 
 
-@pytest.mark.parametrize("case", ["ghost cnn", "vectorized cnn", "ghost grouped 1d", "ghost grouped 2d"])
+@pytest.mark.parametrize("case", ["ghost cnn", "vectorized cnn", "ghost scatternet", "ghost grouped 1d",
+                                  "ghost grouped 2d"])
 def test_clipping_step_matches_per_example_loop(report, case):
     result = report[case]
     assert "error" not in result, result
