@@ -18,7 +18,7 @@ Protocol (identical for every optimizer; docs/fiber_study.md has the results):
     noise of variance σ_w² alongside (what v̂ would be with no signal at all).
   * Defaults (``--stage=defaults``): DP-AdamBC and FIBER with their constructor defaults and
     the old / new default variance floor, on the validation split.
-  * Curves (``--stage=curves``): DP-SGD at its tuned config run for T/2, T and 2T steps, σ
+  * Curves (``--stage=curves``): DP-SGD at its tuned config run for T/2, T, 2T and 4T steps, σ
     calibrated for each length (is T long enough for DP-SGD to plateau?).
 
 Every run appends one JSON line to ``--output`` as it finishes, so a partial sweep still
@@ -383,7 +383,7 @@ def run_curves(task, data, epsilons):
     for epsilon in epsilons:
         name = FLAGS.curve_optimizer
         config = best_config(records, optimizer=name, epsilon=epsilon, **run_keys())
-        for steps in [FLAGS.steps // 2, FLAGS.steps, 2 * FLAGS.steps]:
+        for steps in [FLAGS.steps // 2, FLAGS.steps, 2 * FLAGS.steps, 4 * FLAGS.steps]:
             # σ is calibrated for each length, so each point is a complete run at ε.
             saved = FLAGS.steps
             FLAGS.steps = steps
