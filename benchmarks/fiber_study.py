@@ -16,8 +16,8 @@ Protocol (identical for every optimizer; docs/fiber_study.md has the results):
   * Diagnostic (``--stage=diagnostic``): on real FIBER training, Adam's second moment v̂ of
     g̃ per coordinate against A_t·σ_w², next to the same filter + second moment run on pure
     noise of variance σ_w² alongside (what v̂ would be with no signal at all).
-  * Defaults (``--stage=defaults``): DP-AdamBC and FIBER with their constructor defaults and
-    the old / new default variance floor, on the validation split.
+  * Defaults (``--stage=defaults``): DP-AdamBC, FIBER, DiSK and DP-AdamW untuned (DEFAULT_TRIES:
+    old / new variance floor, or two learning rates), on the validation split.
   * Curves (``--stage=curves``): DP-SGD at its tuned config run for T/2, T, 2T and 4T steps, σ
     calibrated for each length (is T long enough for DP-SGD to plateau?).
 
@@ -395,16 +395,26 @@ def run_curves(task, data, epsilons):
                     **result})
 
 
-# Untuned first tries (issue 15 §2): the constructor defaults lr = 1e-3, κ = 0.7, γ = 0.5, ω = 0.5
-# with the old and the new default variance floor, scored on the validation split.
-DEFAULT_TRIES = {"old_floor": 5e-8, "new_floor": 5e-6}
+# Untuned first tries (issue 15 §2), scored on the validation split: κ = 0.7, γ = 0.5, ω = 0.5
+# throughout; DP-AdamBC and FIBER at lr = 1e-3 with the old and the new default variance floor;
+# DiSK and DP-AdamW at Keras' lr = 1e-3 and at 5e-3 (the study's tuned optimum at every ε on MNIST).
+DEFAULT_TRIES = {
+    "dpadambc": {"old_floor": {"variance_floor": 5e-8}, "new_floor": {"variance_floor": 5e-6}},
+    "fiber": {"old_floor": {"variance_floor": 5e-8}, "new_floor": {"variance_floor": 5e-6}},
+    "disk": {"lr_1e-3": {"learning_rate": 1e-3}, "lr_5e-3": {"learning_rate": 5e-3}},
+    "dpadamw": {"lr_1e-3": {"learning_rate": 1e-3}, "lr_5e-3": {"learning_rate": 5e-3}},
+}
 
 
 def run_defaults(task, data, epsilons):
+    done = {(r["optimizer"], r["epsilon"], r["try"]) for r in matching(read_records(FLAGS.output), kind="defaults",
+                                                                       **run_keys())}
     for epsilon in epsilons:
-        for name in ("dpadambc", "fiber"):
-            for label, floor in DEFAULT_TRIES.items():
-                config = {"learning_rate": 1e-3, "variance_floor": floor, "kappa": 0.7, "gamma": 0.5, "omega": 0.5}
+        for name, tries in DEFAULT_TRIES.items():
+            for label, change in tries.items():
+                if (name, epsilon, label) in done:
+                    continue
+                config = {"learning_rate": 1e-3, "kappa": 0.7, "gamma": 0.5, "omega": 0.5, **change}
                 _, result = train(task, data, "tune", name, config, epsilon, seed=0)
                 append({"kind": "defaults", "optimizer": name, "epsilon": epsilon, "try": label, "config": config,
                         **result})
@@ -458,8 +468,31 @@ def diagnostics(records, keys: dict) -> str:
     return "\n".join(lines)
 
 
+def curves(records, keys: dict) -> str:
+    """Test accuracy of the curve optimizer at its tuned config against the step budget."""
+    runs = matching(records, kind="curve", **{k: v for k, v in keys.items() if k != "steps"})
+    budgets = sorted({r["curve_steps"] for r in runs})
+    lines = ["| ε | " + " | ".join(f"T = {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for epsilon in sorted({r["epsilon"] for r in runs}):
+        cells = {r["curve_steps"]: f"{100 * r['accuracy']:.2f}" for r in runs if r["epsilon"] == epsilon}
+        lines.append(f"| {epsilon:g} | " + " | ".join(cells.get(b, "–") for b in budgets) + " |")
+    return "\n".join(lines)
+
+
+def untuned(records, keys: dict) -> str:
+    """Validation accuracy of the untuned first tries (DEFAULT_TRIES) by ε."""
+    runs = matching(records, kind="defaults", **keys)
+    epsilons = sorted({r["epsilon"] for r in runs})
+    lines = ["| optimizer, try | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |", "|---|" + "---|" * len(epsilons)]
+    for name, label in sorted({(r["optimizer"], r["try"]) for r in runs}):
+        cells = {r["epsilon"]: f"{100 * r['accuracy']:.1f}" for r in runs if (r["optimizer"], r["try"]) == (name, label)}
+        lines.append(f"| {name}, {label} | " + " | ".join(cells.get(e, "–") for e in epsilons) + " |")
+    return "\n".join(lines)
+
+
 def report(records, keys: dict) -> str:
-    return "\n\n".join([markdown(records, keys), chosen_configs(records, keys), diagnostics(records, keys)])
+    return "\n\n".join([markdown(records, keys), chosen_configs(records, keys), diagnostics(records, keys),
+                        curves(records, keys), untuned(records, keys)])
 
 
 def main(argv):
