@@ -63,3 +63,19 @@ def test_quick_run_covers_every_optimizer_and_epsilon_and_tests_the_validation_a
         # the companion filter on pure N(0, σ_w²) noise leaves A_t·σ_w² (tens of thousands of coordinates)
         assert row["noise_only_filtered_var_over_target"] == pytest.approx(1.0, rel=0.05)
         assert 0 < row["A_t"] <= 1
+
+
+def test_untuned_defaults_stage_runs_each_try_once_and_the_report_lists_them(tmp_path):
+    output = tmp_path / "study.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, str(SCRIPT), "--quick", f"--output={output}"]
+    for stage in ("defaults", "defaults"):  # the second run finds every try done
+        subprocess.run(command + [f"--stage={stage}"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=3000)
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    tries = [(r["optimizer"], r["try"]) for r in records if r["kind"] == "defaults"]
+    want = [(name, label) for name, labels in _study().DEFAULT_TRIES.items() for label in labels]
+    assert sorted(tries) == sorted(want)
+    report = subprocess.run(command + ["--stage=report"], cwd=ROOT, env=env, check=True, capture_output=True,
+                            text=True, timeout=600).stdout
+    for name, label in want:
+        assert f"| {name}, {label} |" in report
