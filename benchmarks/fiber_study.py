@@ -490,9 +490,28 @@ def untuned(records, keys: dict) -> str:
     return "\n".join(lines)
 
 
+# The seed's claims as paired comparisons (same seed: same initialization, batches and noise stream).
+CLAIM_PAIRS = [("fiber", "disk"), ("disk", "dpadamw"), ("fiber", "dpadamw"), ("dpadambc", "dpadamw"), ("fiber", "dpsgd")]
+
+
+def paired(records, keys: dict) -> str:
+    """Per ε: mean paired difference (points) of the test runs, and on how many seeds the first wins."""
+    runs = {(r["optimizer"], r["epsilon"], r["seed"]): r["accuracy"] for r in matching(records, kind="test", **keys)}
+    epsilons = sorted({k[1] for k in runs})
+    lines = ["| pair | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |", "|---|" + "---|" * len(epsilons)]
+    for first, second in CLAIM_PAIRS:
+        cells = []
+        for epsilon in epsilons:
+            seeds = sorted(s for (n, e, s) in runs if n == first and e == epsilon and (second, epsilon, s) in runs)
+            deltas = [100 * (runs[first, epsilon, s] - runs[second, epsilon, s]) for s in seeds]
+            cells.append(f"{statistics.mean(deltas):+.2f} ({sum(d > 0 for d in deltas)}/{len(deltas)})" if deltas else "–")
+        lines.append(f"| {first} − {second} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report(records, keys: dict) -> str:
-    return "\n\n".join([markdown(records, keys), chosen_configs(records, keys), diagnostics(records, keys),
-                        curves(records, keys), untuned(records, keys)])
+    return "\n\n".join([markdown(records, keys), paired(records, keys), chosen_configs(records, keys),
+                        diagnostics(records, keys), curves(records, keys), untuned(records, keys)])
 
 
 def main(argv):
