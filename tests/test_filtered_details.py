@@ -266,3 +266,14 @@ def test_fiber_ema_filter_is_the_ema_with_gain_omega_and_its_attenuation():
         tf_dp.FIBER(lr, filter="kalman")
     with pytest.raises(ValueError, match="correction"):
         tf_dp.DiSK(lr, correction="half")
+
+
+def test_disk_untuned_learning_rate_is_the_studys_for_adam_bases_and_keras_sgd_default_otherwise():
+    # docs/fiber_study.md, "Untuned defaults": lr = 1e-3 left DiSK-AdamW 15-33 points below lr = 5e-3 at every ε.
+    from tf_dp.optimizers.disk import DEFAULT_LEARNING_RATES
+
+    for base, want in [("adamw", 5e-3), ("adam", 5e-3), ("sgd", keras.optimizers.SGD().get_config()["learning_rate"])]:
+        optimizer = tf_dp.DiSK(base=base, l2_norm_clip=1.0, noise_multiplier=1.0)
+        assert float(optimizer.learning_rate) == pytest.approx(want) == DEFAULT_LEARNING_RATES[base]
+        assert float(type(optimizer).from_config(optimizer.get_config()).learning_rate) == pytest.approx(want)
+    assert float(tf_dp.DiSK(0.02, l2_norm_clip=1.0, noise_multiplier=1.0).learning_rate) == pytest.approx(0.02)

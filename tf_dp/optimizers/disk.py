@@ -27,13 +27,17 @@ from tf_dp.optimizers.noise_bias_correction import FilteredNoiseVariance
 from tf_dp.optimizers.two_point import TwoPointObservation
 
 BASES = ("adamw", "adam", "sgd")
+# Untuned first tries (docs/fiber_study.md, "Untuned defaults"): lr = 5e-3 was DiSK-AdamW's tuned
+# optimum at every ε on MNIST; the SGD base keeps Keras' SGD default.
+DEFAULT_LEARNING_RATES = {"adamw": 5e-3, "adam": 5e-3, "sgd": 0.01}
 
 
 class DiSK(TwoPointObservation, FilteredNoiseVariance, DPOptimizer):
-    """``DiSK(learning_rate, kappa=0.7, gamma=0.5, base="adamw", **base_and_dp_kwargs)``.
+    """``DiSK(learning_rate=None, kappa=0.7, gamma=0.5, base="adamw", **base_and_dp_kwargs)``.
 
     Builds the DiSK variant of the chosen base (``DiSKAdamW``, ``DiSKAdam``, ``DiSKSGD``);
     every argument of that base DP optimizer is accepted. κ = 1 is the base optimizer.
+    ``learning_rate=None`` takes DEFAULT_LEARNING_RATES[base] (5e-3 for the Adam bases).
     """
 
     def __new__(cls, *args, base: str = "adamw", **kwargs):
@@ -41,8 +45,10 @@ class DiSK(TwoPointObservation, FilteredNoiseVariance, DPOptimizer):
             cls = _VARIANTS[_checks.one_of("base", base, BASES)]
         return super().__new__(cls)
 
-    def __init__(self, learning_rate=0.001, kappa: float = 0.7, gamma: float = 0.5, base: Optional[str] = None,
+    def __init__(self, learning_rate=None, kappa: float = 0.7, gamma: float = 0.5, base: Optional[str] = None,
                  correction: str = "transient", **kwargs):
+        if learning_rate is None:
+            learning_rate = DEFAULT_LEARNING_RATES[self.base]
         kwargs.setdefault("name", type(self).__name__)
         super().__init__(learning_rate=learning_rate, **kwargs)
         self._init_two_point(kappa, gamma)
