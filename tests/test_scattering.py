@@ -3,10 +3,11 @@ tools/scattering_reference.py), its per-example independence, and its input erro
 
 import pathlib
 
+import keras
 import numpy as np
 import pytest
 
-from tf_dp.features import ScatteringTransform2D
+from tf_dp.features import ScatteringTransform2D, scattering_features
 
 REFERENCE = np.load(pathlib.Path(__file__).parent / "data" / "scattering_reference.npz")
 
@@ -38,6 +39,8 @@ def test_each_example_is_transformed_alone():
     for other in others:
         beside = layer(np.concatenate([first, other[None]])).numpy()[0]
         np.testing.assert_allclose(beside, alone, rtol=0, atol=1e-7)
+    images = np.concatenate([first, others])
+    np.testing.assert_allclose(scattering_features(images, chunk=2), layer(images).numpy(), rtol=0, atol=1e-7)
 
 
 def test_an_image_size_not_divisible_by_two_to_the_scale_is_refused_by_name():
@@ -45,3 +48,7 @@ def test_an_image_size_not_divisible_by_two_to_the_scale_is_refused_by_name():
         ScatteringTransform2D(scale=2)(np.zeros((1, 30, 28, 1), np.float32))
     with pytest.raises(ValueError, match="scale=0"):
         ScatteringTransform2D(scale=0)
+    with pytest.raises(ValueError, match="static H and W"):
+        ScatteringTransform2D()(keras.Input((None, None, 1)))
+    with pytest.raises(ValueError, match="non-empty \\[N, H, W, C\\]"):
+        scattering_features(np.zeros((5, 28, 28), np.float32))

@@ -111,6 +111,9 @@ class ScatteringTransform2D(keras.layers.Layer):
         return 1 + self.scale * self.angles + self.angles**2 * self.scale * (self.scale - 1) // 2
 
     def build(self, input_shape):
+        if len(input_shape) != 4 or input_shape[1] is None or input_shape[2] is None:
+            raise ValueError(f"ScatteringTransform2D: inputs must be [B, H, W, C] with a static H and W; got "
+                             f"{tuple(input_shape)} (give keras.Input its image shape).")
         height, width = int(input_shape[1]), int(input_shape[2])
         if height % 2**self.scale or width % 2**self.scale:
             raise ValueError(f"ScatteringTransform2D: image size {height}×{width} is not a multiple of "
