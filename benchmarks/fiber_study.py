@@ -491,7 +491,9 @@ def untuned(records, keys: dict) -> str:
 
 
 # The seed's claims as paired comparisons (same seed: same initialization, batches and noise stream).
-CLAIM_PAIRS = [("fiber", "disk"), ("disk", "dpadamw"), ("fiber", "dpadamw"), ("dpadambc", "dpadamw"), ("fiber", "dpsgd")]
+CLAIM_PAIRS = [("fiber", "disk"), ("disk", "dpadamw"), ("fiber", "dpadamw"), ("dpadambc", "dpadamw"), ("fiber", "dpsgd"),
+               ("fiber", "ablation:ema_filter"), ("fiber", "ablation:coupled_gain"),
+               ("fiber", "ablation:full_correction"), ("fiber", "ablation:stationary_correction")]
 
 
 def paired(records, keys: dict) -> str:
@@ -505,7 +507,8 @@ def paired(records, keys: dict) -> str:
             seeds = sorted(s for (n, e, s) in runs if n == first and e == epsilon and (second, epsilon, s) in runs)
             deltas = [100 * (runs[first, epsilon, s] - runs[second, epsilon, s]) for s in seeds]
             cells.append(f"{statistics.mean(deltas):+.2f} ({sum(d > 0 for d in deltas)}/{len(deltas)})" if deltas else "–")
-        lines.append(f"| {first} − {second} | " + " | ".join(cells) + " |")
+        if any(cell != "–" for cell in cells):
+            lines.append(f"| {first} − {second} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
