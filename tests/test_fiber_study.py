@@ -1,5 +1,6 @@
 """Issue 15 §1: the study script's protocol on a smoke run (benchmarks/fiber_study.py --quick)."""
 
+import functools
 import importlib.util
 import json
 import math
@@ -14,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "fiber_study.py"
 
 
-def _study():
+@functools.cache
+def _study():  # once per process: the script defines absl flags at import
     spec = importlib.util.spec_from_file_location("fiber_study", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
