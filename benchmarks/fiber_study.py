@@ -144,6 +144,9 @@ class Data:
 
     def __init__(self, x, y, x_test, y_test, classes, pretrain=None):
         self.x, self.y, self.x_test, self.y_test, self.classes, self.pretrain = x, y, x_test, y_test, classes, pretrain
+        missing = sorted(set(range(classes)) - set(np.asarray(y).tolist()))
+        if missing:
+            raise ValueError(f"the {len(y)} training rows lack classes {missing}: take a random subset (sorted data).")
         cut = int(round(len(y) * (1 - FLAGS.validation_fraction)))
         order = np.random.default_rng(0).permutation(len(y))
         self.tune_rows, self.valid_rows = order[:cut], order[cut:]
@@ -160,8 +163,11 @@ def load_task(task: str, train_examples: int) -> Data:
         split = tf_dp_data.load_mnist() if task == "mnist" else tf_dp_data.load_fashion_mnist()
         return Data(split.x_train[:train_examples], split.y_train[:train_examples], split.x_test, split.y_test, 10)
     if task == "tweets":
+        # The training split is sorted by class (its first 10,000 rows are all class 0): a fixed
+        # random subset (seed 0, public) instead of the first rows.
         split = tf_dp_data.load_tweets(vocabulary_size=5000)
-        return Data(split.x_train[:train_examples], split.y_train[:train_examples], split.x_test, split.y_test, 3)
+        rows = np.random.default_rng(0).permutation(len(split.y_train))[:train_examples]
+        return Data(split.x_train[rows], split.y_train[rows], split.x_test, split.y_test, 3)
     if task == "transfer":
         # Public pre-training on Fashion-MNIST (same 28×28 grey format, disjoint content), private
         # fine-tuning of the whole network on MNIST: the "public features, private task" setting.
