@@ -52,3 +52,13 @@ def test_an_image_size_not_divisible_by_two_to_the_scale_is_refused_by_name():
         ScatteringTransform2D()(keras.Input((None, None, 1)))
     with pytest.raises(ValueError, match="non-empty \\[N, H, W, C\\]"):
         scattering_features(np.zeros((5, 28, 28), np.float32))
+
+
+def test_a_saved_model_with_the_layer_loads_and_gives_the_same_features(tmp_path):
+    inputs = keras.Input((28, 28, 1))
+    model = keras.Model(inputs, ScatteringTransform2D(scale=2, angles=8)(inputs))
+    path = tmp_path / "scattering.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    digits = REFERENCE["digits"][..., None]
+    np.testing.assert_allclose(loaded(digits).numpy(), model(digits).numpy(), rtol=0, atol=0)

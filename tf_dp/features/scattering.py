@@ -95,13 +95,15 @@ def subsample(spectrum: tf.Tensor, factor: int) -> tf.Tensor:
     return tf.reduce_mean(folded, axis=[1, 3])
 
 
+@keras.saving.register_keras_serializable(package="tf_dp")
 class ScatteringTransform2D(keras.layers.Layer):
     """Order-2 scattering of channels-last images [B, H, W, C] → [B, H/2^J, W/2^J, C·K],
     K = 1 + J·L + L²·J(J−1)/2; channel c·K + k is coefficient k of input channel c, in
     Kymatio's order (S0, all S1, all S2). H and W must be multiples of 2^J. No weights."""
 
     def __init__(self, scale: int = 2, angles: int = 8, **kwargs):
-        super().__init__(trainable=False, **kwargs)
+        kwargs["trainable"] = False  # no weights; also set when rebuilt from get_config
+        super().__init__(**kwargs)
         if int(scale) < 1 or int(angles) < 1:
             raise ValueError(f"ScatteringTransform2D: scale={scale!r} and angles={angles!r} must be ≥ 1.")
         self.scale, self.angles = int(scale), int(angles)
