@@ -34,7 +34,10 @@ def random_subset(x: np.ndarray, y: np.ndarray, size, seed: int) -> tuple[np.nda
 
 def time_steps(models: dict, train, batch_size: int, rounds: int, steps: int) -> dict[str, float]:
     """Median ms/step of each model over ``rounds`` rounds of ``steps`` fit steps; the models
-    take turns, in a rotated order each round, so that load from other jobs hits all alike."""
+    take turns, in a rotated order each round, so that load from other jobs hits all alike.
+    Round r samples with the fixed ``sampling_seed`` r + 1, so that every model is timed on
+    the same batch sizes: the models must be throwaway copies whose weights are never
+    released (they are only timed)."""
     names = list(models)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(rounds):

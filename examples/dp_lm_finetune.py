@@ -25,6 +25,9 @@ tied to the token embedding (``backbone.token_embedding(h, reverse=True)``, as
   nothing and a tweet's gradient is clipped as one unit: ε is per tweet.
 * perplexity = exp(mean NLL over the real next-word tokens of the held-out split), before
   and after fine-tuning; ε from the model's ledger (σ calibrated for ``--target_epsilon``).
+* the noise key and the Poisson batches come from OS entropy; ``--noise_seed`` reproduces a
+  run bit for bit but voids the guarantee (examples/_seeds.py). ``--seed`` (public) fixes
+  the initial weights and the tweet subsets.
 
 Clipping engine: "ghost" (default). With ``--head=tied --train=full`` the token
 embedding is trained through both its lookup and ReversibleEmbedding(reverse=True): the
@@ -51,6 +54,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
+from _seeds import define_seed_flags, noise_seed, warn_if_fixed_noise  # noqa: E402
 from tf_dp.data import load_tweets  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -74,7 +78,7 @@ flags.DEFINE_float("delta", 1e-5, "δ of the (ε, δ) guarantee.")
 flags.DEFINE_float("l2_norm_clip", 1.0, "Per-example (per-tweet) clip bound C.")
 flags.DEFINE_float("learning_rate", 2e-2, "DP-Adam learning rate.")
 flags.DEFINE_enum("clipping_engine", "ghost", ["ghost", "vectorized"], "tf_dp clipping engine.")
-flags.DEFINE_integer("seed", 0, "Seed of the initial weights, noise, sampling and subsets.")
+define_seed_flags("Seed of the initial weights and the random subsets (public: data-independent).")
 
 
 def language_model_data(ids: np.ndarray, end_of_text: int):
@@ -133,6 +137,7 @@ def subset(split_x, count: int, rng) -> np.ndarray:
 
 def main(argv):
     del argv
+    warn_if_fixed_noise()
     keras.utils.set_random_seed(FLAGS.seed)
     rng = np.random.default_rng(FLAGS.seed)
     length = FLAGS.sequence_length
@@ -152,16 +157,17 @@ def main(argv):
     initial = perplexity(model, x_test, y_test, w_test)
     model.compile(
         optimizer=tf_dp.DPAdam(FLAGS.learning_rate, l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=1.0,
-                               seed=FLAGS.seed),
+                               seed=noise_seed()),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         delta=FLAGS.delta, target_epsilon=FLAGS.target_epsilon, clipping_engine=FLAGS.clipping_engine)
     start = time.perf_counter()
     history = model.fit(x_train, y_train, sample_weight=w_train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
-                        sampling_seed=FLAGS.seed, verbose=2)
+                        sampling_seed=noise_seed(), verbose=2)
     seconds = time.perf_counter() - start
     steps = FLAGS.epochs * math.ceil(len(y_train) / FLAGS.batch_size)
     final = perplexity(model, x_test, y_test, w_test)
     print(f"train loss per epoch: {[round(v, 4) for v in history.history['loss']]}; {steps} steps in {seconds:.1f} s")
+    warn_if_fixed_noise()
     print(f"final: held-out perplexity = {final:.2f} (initial {initial:.2f}), epsilon = {model.get_epsilon():.3f} "
           f"(delta = {FLAGS.delta:g}), trained parameters = {trainable}, train = {FLAGS.train}, "
           f"engine = {FLAGS.clipping_engine}")

@@ -21,6 +21,9 @@ models (same σ and L), in alternating rounds so that load from other jobs hits 
 Frozen variables (the base kernel after ``enable_lora``, frozen biases) stay out of the
 per-example norm: tf_dp clips only what is trained.
 
+Each run draws its own noise key and Poisson batches from OS entropy; ``--noise_seed``
+reproduces both runs bit for bit but voids the guarantee (examples/_seeds.py).
+
     python examples/dp_lora_text.py                          # ε = 8, 3 epochs, rank 4
     python examples/dp_lora_text.py --rank=8 --target_epsilon=3
 """
@@ -39,6 +42,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
+from _seeds import define_seed_flags, noise_seed, warn_if_fixed_noise  # noqa: E402
 from _timing import BatchClock, random_subset, time_steps  # noqa: E402
 from tf_dp.clipping import ghost_rule_for  # noqa: E402
 from tf_dp.data import load_tweets  # noqa: E402
@@ -58,7 +62,7 @@ flags.DEFINE_integer("vocabulary_size", 10_000, "Vocabulary incl. padding and ou
 flags.DEFINE_integer("embed_dim", 32, "Model width d.")
 flags.DEFINE_integer("num_heads", 2, "Attention heads (key_dim = d / heads).")
 flags.DEFINE_integer("ff_dim", 64, "Hidden width of the feed-forward block.")
-flags.DEFINE_integer("seed", 0, "Seed of the initial weights, noise and sampling.")
+define_seed_flags("Seed of the initial weights and the random subsets (public: data-independent).")
 flags.DEFINE_integer("timing_rounds", 3, "Alternating timing rounds after training (0: report fit's own median).")
 flags.DEFINE_integer("timing_steps", 20, "Steps per timing round.")
 
@@ -148,7 +152,7 @@ def compile_dp(model: tf_dp.DPModel, learning_rate: float, noise_multiplier: Opt
     """DP-Adam; σ calibrated to --target_epsilon unless ``noise_multiplier`` is given."""
     model.compile(
         optimizer=tf_dp.DPAdam(learning_rate, l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=noise_multiplier,
-                               seed=FLAGS.seed),
+                               seed=noise_seed()),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"], delta=FLAGS.delta,
         target_epsilon=None if noise_multiplier is not None else FLAGS.target_epsilon,
     )
@@ -163,7 +167,7 @@ def fine_tune(variant: Variant, model: tf_dp.DPModel, train, test) -> RunResult:
     print(f"    per-example norms by {clipping_paths(model)}", flush=True)
     clock = BatchClock()
     model.fit(*train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, callbacks=[clock],
-              sampling_seed=FLAGS.seed, verbose=2)
+              sampling_seed=noise_seed(), verbose=2)
     accuracy = model.evaluate(*test, batch_size=512, verbose=0, return_dict=True)["accuracy"]
     result = RunResult(variant.name, params, clock.ms_per_step(), float(accuracy), model.get_epsilon(),
                        float(model.optimizer.noise_multiplier), int(model.privacy_ledger.steps.numpy()))
@@ -188,6 +192,7 @@ def retime(variants: list[Variant], results: list[RunResult], make_model, initia
 
 def main(argv):
     del argv
+    warn_if_fixed_noise()
     keras.utils.set_random_seed(FLAGS.seed)
     data = load_tweets(vocabulary_size=FLAGS.vocabulary_size)
     train = random_subset(data.x_train, data.y_train, FLAGS.train_examples, FLAGS.seed)
@@ -201,6 +206,7 @@ def main(argv):
     if FLAGS.timing_rounds:
         retime(variants, results, make_model, initial_weights, train)
     full, lora = results
+    warn_if_fixed_noise()
     print(f"final: {full.summary()}; {lora.summary()}; "
           f"LoRA/full step time = {lora.ms_per_step / full.ms_per_step:.2f}x "
           f"(delta = {FLAGS.delta:g}, {len(train[1])} train tweets, {full.steps} Poisson steps each)")

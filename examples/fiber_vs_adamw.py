@@ -3,6 +3,9 @@
 Every optimizer trains the same MLP (784-256-64-10) from the same initial weights, with
 the same Poisson batch size, epochs, clip bound and σ (calibrated by
 ``compile(target_epsilon=...)``, so all reach the same ε), and the same learning rate.
+Each run draws its own noise key and Poisson batches from OS entropy; ``--noise_seed``
+gives every run the same noise key and batches (bit-for-bit reproducible, paired) but
+voids the guarantee (examples/_seeds.py).
 Prints per-epoch ε, then test accuracy and the step time relative to DP-AdamW (timed after
 training on throwaway copies at the same σ, the optimizers taking turns, so that load from
 other jobs hits all of them alike).
@@ -28,6 +31,7 @@ import keras  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
+from _seeds import define_seed_flags, noise_seed, warn_if_fixed_noise  # noqa: E402
 from _timing import BatchClock, random_subset, time_steps  # noqa: E402
 from tf_dp.data import load_fashion_mnist, load_mnist  # noqa: E402
 
@@ -45,13 +49,15 @@ flags.DEFINE_float("learning_rate", 1e-3, "Learning rate of every optimizer (Ada
 flags.DEFINE_float("l2_norm_clip", 1.0, "Per-example clip bound C.")
 flags.DEFINE_integer("train_examples", None, "Train on N examples drawn at random (smoke tests).")
 flags.DEFINE_integer("test_examples", None, "Evaluate on N test examples drawn at random (smoke tests).")
-flags.DEFINE_integer("seed", 0, "Seed of the initial weights, noise and sampling.")
+define_seed_flags("Seed of the initial weights and the random subsets (public: data-independent).")
 flags.DEFINE_integer("timing_rounds", 3, "Timing rounds after training, optimizers taking turns (0: fit's own median).")
 flags.DEFINE_integer("timing_steps", 20, "Steps per timing round.")
 
 
-def make_optimizer(name: str, seed: int, noise_multiplier: Optional[float] = None) -> keras.optimizers.Optimizer:
-    """A tf_dp optimizer; σ None is left for ``compile(target_epsilon=...)`` to calibrate."""
+def make_optimizer(name: str, seed: Optional[int],
+                   noise_multiplier: Optional[float] = None) -> keras.optimizers.Optimizer:
+    """A tf_dp optimizer; σ None is left for ``compile(target_epsilon=...)`` to calibrate;
+    ``seed`` None draws the noise key from the OS."""
     common = dict(l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=noise_multiplier, seed=seed)
     if name == "fiber":
         return tf_dp.FIBER(FLAGS.learning_rate, **common)
@@ -75,7 +81,7 @@ def compiled_model(name: str, initial_weights: list, num_features: int, num_clas
     --target_epsilon unless ``noise_multiplier`` is given."""
     model = mlp(num_features, num_classes)
     model.set_weights(initial_weights)
-    model.compile(optimizer=make_optimizer(name, FLAGS.seed, noise_multiplier),
+    model.compile(optimizer=make_optimizer(name, noise_seed(), noise_multiplier),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
                   delta=FLAGS.delta, target_epsilon=None if noise_multiplier is not None else FLAGS.target_epsilon)
     return model
@@ -87,7 +93,7 @@ def train_one(name: str, initial_weights: list, train, test, num_classes: int) -
     print(f"--- {name}", flush=True)
     clock = BatchClock()
     model.fit(*train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, callbacks=[clock],
-              sampling_seed=FLAGS.seed, verbose=2)
+              sampling_seed=noise_seed(), verbose=2)
     accuracy = model.evaluate(*test, batch_size=1024, verbose=0, return_dict=True)["accuracy"]
     result = {"accuracy": float(accuracy), "epsilon": model.get_epsilon(), "ms_per_step": clock.ms_per_step(),
               "sigma": float(model.optimizer.noise_multiplier), "steps": int(model.privacy_ledger.steps.numpy())}
@@ -110,6 +116,7 @@ def main(argv):
     names = [name.strip() for name in FLAGS.optimizers]
     if BASELINE not in names:
         raise app.UsageError(f"--optimizers must include {BASELINE}, the step-time baseline.")
+    warn_if_fixed_noise()
     keras.utils.set_random_seed(FLAGS.seed)
     data = (load_mnist if FLAGS.dataset == "mnist" else load_fashion_mnist)(flatten=True)
     train = random_subset(data.x_train, data.y_train, FLAGS.train_examples, FLAGS.seed)
@@ -124,6 +131,7 @@ def main(argv):
             results[name]["ms_per_step"] = ms
         print(f"timing: median of {FLAGS.timing_rounds} rounds of {FLAGS.timing_steps} steps, optimizers taking turns, "
               f"L = {FLAGS.batch_size}", flush=True)
+    warn_if_fixed_noise()
     print(final_line(results))
 
 

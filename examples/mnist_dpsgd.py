@@ -29,6 +29,7 @@ import keras  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
+from _seeds import define_seed_flags, noise_seed, warn_if_fixed_noise  # noqa: E402
 from tf_dp.data import load_fashion_mnist, load_mnist  # noqa: E402
 
 LOADERS = {"mnist": load_mnist, "fashion_mnist": load_fashion_mnist}
@@ -64,9 +65,7 @@ flags.DEFINE_float("ema_momentum", None, "β of the parameter average θ̄ that 
 flags.DEFINE_integer("ema_start_step", 0, "Optimizer step at which the average starts (θ̄ = θ before).")
 flags.DEFINE_integer("train_examples", None, "Use only the first N training examples (smoke tests).")
 flags.DEFINE_enum("accountant", "rdp", ["rdp", "pld"], "Privacy accountant.")
-flags.DEFINE_integer("seed", 0, "Seed of the initial weights (public).")
-flags.DEFINE_integer("noise_seed", None, "Secret seed of the noise and the Poisson batches, for a reproducible run; "
-                     "default: fresh OS entropy (never saved). Whoever knows it can subtract the noise.")
+define_seed_flags()
 flags.DEFINE_bool("jit_compile", False, "XLA (measured slower on CPU; see README).")
 
 
@@ -123,7 +122,7 @@ def dp_optimizer() -> tf_dp.DPSGD:
     """DP-SGD with momentum; with --ema_momentum > 0 it keeps the average θ̄ of the iterates."""
     averaging = {"use_ema": True, "ema_momentum": FLAGS.ema_momentum} if FLAGS.ema_momentum > 0 else {}
     return tf_dp.DPSGD(FLAGS.learning_rate, l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=FLAGS.noise_multiplier,
-                       momentum=FLAGS.momentum, seed=FLAGS.noise_seed, **averaging)
+                       momentum=FLAGS.momentum, seed=noise_seed(), **averaging)
 
 
 def training_callbacks() -> list:
@@ -150,6 +149,7 @@ def final_test_accuracy(model, x_test, y_test) -> float:
 def main(argv):
     del argv
     apply_recipe()
+    warn_if_fixed_noise()
     keras.utils.set_random_seed(FLAGS.seed)
     data = LOADERS[FLAGS.dataset]()
     x_train, y_train = data.x_train[: FLAGS.train_examples], data.y_train[: FLAGS.train_examples]
@@ -165,9 +165,10 @@ def main(argv):
     )
     start = time.time()
     model.fit(x_train, y_train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, callbacks=training_callbacks(),
-              validation_data=(x_test, data.y_test), sampling_seed=FLAGS.noise_seed, verbose=2)
+              validation_data=(x_test, data.y_test), sampling_seed=noise_seed(), verbose=2)
     accuracy = final_test_accuracy(model, x_test, data.y_test)
     steps = int(model.privacy_ledger.steps.numpy())
+    warn_if_fixed_noise()
     print(f"final: test accuracy = {accuracy:.4f}, epsilon = {model.get_epsilon():.3f} "
           f"(delta = {FLAGS.delta:g}, {FLAGS.accountant.upper()}, sigma = {model.optimizer.noise_multiplier:.4f}, "
           f"{steps} Poisson steps, {time.time() - start:.0f} s)")

@@ -10,6 +10,9 @@ were chosen on the TRAINING split and reach the paper's operating point.
 
     python examples/raco_adult.py --epsilon=1 --max_gap=0.15
 
+The Gaussian and Laplace noise and the Poisson batches come from fresh OS entropy;
+``--noise_seed`` reproduces a run bit for bit but voids the guarantee (examples/_seeds.py).
+
 The last line is exactly: test_accuracy=<float> test_gap=<float> epsilon=<float>
 """
 
@@ -25,12 +28,13 @@ from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
 from tf_dp import raco  # noqa: E402
+from _seeds import define_seed_flags, noise_seed, warn_if_fixed_noise  # noqa: E402
 from tf_dp.data import load_adult  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("epsilon", 1.0, "Target ε of the whole run (joint Gaussian + Laplace accounting).")
 flags.DEFINE_float("max_gap", 0.15, "Demographic-parity gap γ.")
-flags.DEFINE_integer("seed", 0, "Seed.")
+define_seed_flags()
 flags.DEFINE_float("delta", 1e-4, "δ.")
 flags.DEFINE_integer("batch_size", 4096, "Expected Poisson batch size.")
 flags.DEFINE_float("noise_multiplier", 4.0, "σ of the gradient noise.")
@@ -57,6 +61,7 @@ def build(num_features: int) -> raco.RateConstrainedModel:
 
 def main(argv):
     del argv
+    warn_if_fixed_noise()
     keras.utils.set_random_seed(FLAGS.seed)
     data = load_adult()
     n = len(data.y_train)
@@ -66,17 +71,18 @@ def main(argv):
     model = build(data.x_train.shape[1])
     model.compile(
         optimizer=tf_dp.DPSGD(FLAGS.learning_rate, l2_norm_clip=FLAGS.l2_norm_clip,
-                              noise_multiplier=FLAGS.noise_multiplier, seed=FLAGS.seed),
+                              noise_multiplier=FLAGS.noise_multiplier, seed=noise_seed()),
         loss="sparse_categorical_crossentropy", metrics=["accuracy"], delta=FLAGS.delta, accountant="pld",
         constraints=[raco.DemographicParity(FLAGS.max_gap if FLAGS.constrained else 1.0)], num_groups=2,
         histogram_noise=FLAGS.histogram_noise, dual_learning_rate=FLAGS.dual_learning_rate,
         histogram_temperature=FLAGS.temperature,
     )
     model.fit(data.x_train, data.y_train, groups=data.sensitive_train, batch_size=FLAGS.batch_size, epochs=1,
-              steps_per_epoch=steps, sampling_seed=FLAGS.seed, verbose=2)
+              steps_per_epoch=steps, sampling_seed=noise_seed(), verbose=2)
     accuracy = model.evaluate(data.x_test, data.y_test, verbose=0)[1]
     gap = demographic_parity_gap(model, data.x_test, data.sensitive_test)
     print(f"steps={steps} lambda={np.round(model.multipliers.numpy(), 4).tolist()}")
+    warn_if_fixed_noise()
     print(f"test_accuracy={accuracy:.4f} test_gap={gap:.4f} epsilon={model.get_epsilon():.4f}")
 
 
