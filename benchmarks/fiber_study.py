@@ -9,7 +9,8 @@ Protocol (identical for every optimizer; docs/fiber_study.md has the results):
     training rows minus a validation split carved from them and scored on that split.
     Tuning on private data costs privacy that is not accounted here, as in the papers.
   * The validation argmax is then trained on all training rows with ``--seeds`` seeds and
-    scored on the test set (mean ± std).
+    scored on the test set (mean ± std). Seed s fixes the initial weights, the noise key and
+    the Poisson batches (public seeds, for paired comparisons; the output says so).
   * Ablations (``--stage=ablation``, FIBER's tuned config at one ε, one component changed,
     no re-tuning): innovation filter vs EMA (gain ω), A_t·σ_w² vs stationary A(ω)·σ_w² vs
     full σ_w² vs no correction, ω tied to κ (DiSK's single gain) vs decoupled.
@@ -523,8 +524,17 @@ def report(records, keys: dict) -> str:
                         diagnostics(records, keys), curves(records, keys), untuned(records, keys)])
 
 
+# Seeds are public and fixed (seed s sets the initial weights, the noise key and the Poisson batches), for
+# reproducible paired comparisons: said in the output, since such runs' ε is no guarantee for their weights.
+FIXED_SEEDS_NOTE = ("note: fixed public seeds (seed s fixes the initial weights, the noise key and the Poisson batches) "
+                    "for reproducible paired comparisons: the accuracies are of fixed-seed runs, whose epsilon is "
+                    "that of the procedure, not a privacy guarantee for these weights (anyone can regenerate the "
+                    "noise). Private training: leave the seeds None (examples/_seeds.py).")
+
+
 def main(argv):
     del argv
+    print(FIXED_SEEDS_NOTE, flush=True)
     tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
     tf.config.threading.set_inter_op_parallelism_threads(FLAGS.threads)
     if FLAGS.quick:

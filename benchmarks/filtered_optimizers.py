@@ -123,8 +123,17 @@ def tune(dataset, split, optimizer_name, epsilon):
     return max(scores, key=scores.get), scores
 
 
+# Seeds are public and fixed (seed s sets the initial weights, the noise key and the Poisson batches), for
+# reproducible paired comparisons: said in the output, since such runs' ε is no guarantee for their weights.
+FIXED_SEEDS_NOTE = ("note: fixed public seeds (seed s fixes the initial weights, the noise key and the Poisson batches) "
+                    "for reproducible paired comparisons: the accuracies are of fixed-seed runs, whose epsilon is "
+                    "that of the procedure, not a privacy guarantee for these weights (anyone can regenerate the "
+                    "noise). Private training: leave the seeds None (examples/_seeds.py).")
+
+
 def main(argv):
     del argv
+    print(FIXED_SEEDS_NOTE, flush=True)
     epsilons = [float(e) for e in FLAGS.epsilons]
     results = {"date": time.strftime("%Y-%m-%d"), "epochs": FLAGS.epochs, "batch_size": FLAGS.batch_size,
                "delta": FLAGS.delta, "runs": []}

@@ -374,7 +374,7 @@ def write_outputs(path_stem: str, started: float, cpu_started: float, sizes, pla
              f"{time.strftime('%Y-%m-%d')}, {FLAGS.threads} TF thread(s), {elapsed / 60:.1f} min wall, "
              f"{cpu / 60:.1f} min CPU (this process). Demographic parity (2 groups); test accuracy / test DP gap "
              f"of hard predictions, mean±std over {FLAGS.seeds} seed(s). δ = {FLAGS.delta:g}, "
-             f"C = {FLAGS.l2_norm_clip:g}, max_epochs = {FLAGS.max_epochs}.", "",
+             f"C = {FLAGS.l2_norm_clip:g}, max_epochs = {FLAGS.max_epochs}.", "", FIXED_SEEDS_NOTE, "",
              "## Privacy settings", "", *settings_table(plans, sizes), "",
              "## Accuracy / gap", "", *results_table(summary, epsilon_keys), "",
              "## Step time (RaCO-DP vs plain tf_dp.DPModel)", "", *timing_table(timings), ""]
@@ -400,8 +400,17 @@ def write_outputs(path_stem: str, started: float, cpu_started: float, sizes, pla
     return markdown
 
 
+# Seeds are public and fixed (seed s sets the initial weights, the noise key and the Poisson batches), for
+# reproducible paired comparisons: said in the output, since such runs' ε is no guarantee for their weights.
+FIXED_SEEDS_NOTE = ("note: fixed public seeds (seed s fixes the initial weights, the noise key and the Poisson batches) "
+                    "for reproducible paired comparisons: the accuracies are of fixed-seed runs, whose epsilon is "
+                    "that of the procedure, not a privacy guarantee for these weights (anyone can regenerate the "
+                    "noise). Private training: leave the seeds None (examples/_seeds.py).")
+
+
 def main(argv):
     del argv
+    print(FIXED_SEEDS_NOTE, flush=True)
     if FLAGS.quick:
         apply_quick()
     if FLAGS.timing_only:
