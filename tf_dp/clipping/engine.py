@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dp.clipping.clip import clip_factors, weighted_row_sum
@@ -126,11 +127,35 @@ def _observation_losses(model, per_example_loss, x, y, points):
     return total, reported
 
 
+def traced(function):
+    """``function`` run as a graph when called eagerly: the taps decide which tensors carry
+    the example axis from the traced graph (example_axis.py), which eager tensors lack.
+    Tensor and array arguments become the graph's inputs; the ``ClippedBatch`` is rebuilt."""
+    def run(model, per_example_loss, x, y, mask, l2_norm_clip, *args, **kwargs):
+        if not tf.executing_eagerly():
+            return function(model, per_example_loss, x, y, mask, l2_norm_clip, *args, **kwargs)
+
+        def graph(x, y, mask, l2_norm_clip):
+            result = function(model, per_example_loss, x, y, mask, l2_norm_clip, *args, **kwargs)
+            return (result.clipped_sums, result.y_pred, result.losses, result.squared_norms)
+
+        return ClippedBatch(*tf.function(graph, autograph=False)(x, y, mask, l2_norm_clip))
+    return run
+
+
+def as_graph_inputs(x):
+    """x with numpy leaves as tensors, so that the model reads them from one tensor the taps know."""
+    return tf.nest.map_structure(lambda v: tf.convert_to_tensor(v) if isinstance(v, (np.ndarray, np.generic)) else v, x)
+
+
+@traced
 def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_rules=True) -> ClippedBatch:
     # Every point's forward pass records into the same taps; a layer's recordings are
     # concatenated along its sequence axis, so the cross terms between points (and
     # between repeated calls of a shared layer) enter the per-example norm exactly.
-    tap = LayerTap(_trainable_units(model), use_ghost_rules=use_ghost_rules, batch_size=tf.shape(mask)[0])
+    x = as_graph_inputs(x)
+    tap = LayerTap(_trainable_units(model), use_ghost_rules=use_ghost_rules, batch_size=tf.shape(mask)[0],
+                   batch_inputs=x)
     with tap:
         with tf.GradientTape() as tape:
             for point in points:  # weight tensors, unlike variables, are not watched by default
@@ -138,7 +163,8 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_
                     tape.watch(point.weights)
             observation, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
             total = tf.reduce_sum(tf.cast(observation, tf.float32) * tf.cast(mask, tf.float32))
-        shared = tap.shared_layers()  # variables also used outside their layer's call
+        # Variables also used outside their layer's call, batch-free outputs not only broadcast:
+        shared = tap.whole_model_layers()
         output_grads = tape.gradient(total, tap.watched_tensors(skip=shared))
     contributions = tap.contributions(output_grads, skip=shared)
     contributions += _shared_contributions(model, per_example_loss, x, y, points, shared, tap.fallback)
@@ -156,7 +182,9 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_
 
 def _shared_contributions(model, per_example_loss, x, y, points, shared_layers, fallback) -> list:
     """(layer, rule, contribution) for layers whose variables another layer's call also
-    reads (a weight shared by hand): u_i restricted to their variables, Σ_k a_k ∂ℓ(θ_k; x_i)/∂v,
+    reads (a weight shared by hand), and for layers whose batch-free outputs are used other
+    than by a broadcast against the batch (LayerTap.whole_model_layers): u_i restricted to
+    their variables, Σ_k a_k ∂ℓ(θ_k; x_i)/∂v,
     explicitly per example through the whole model — every use of v summed, so the norm
     includes the cross terms between uses exactly. Costs a per-example pass of the model."""
     if not shared_layers:
@@ -215,6 +243,7 @@ def clipped_gradient_sum(
     u_i = Σ_k a_k ∇ℓ(θ_k; x_i) (u_i = g_i for DP-SGD) flat over ``model.trainable_variables``;
     with augmentation multiplicity K each term is averaged over the K views of x_i."""
     points = with_views(points, getattr(model, "_augmentation_views", ONE_VIEW))
+    x, y, mask = tf.nest.map_structure(tf.convert_to_tensor, (x, y, mask))  # numpy arrays (labels) too
     if engine == "ghost":
         return _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points)
     if engine == "vectorized":

@@ -25,15 +25,6 @@ def squared_row_norms(per_example: tf.Tensor) -> tf.Tensor:
     return rounding.squared_sum(tf.reshape(per_example, [tf.shape(per_example)[0], -1]))
 
 
-def is_batched(value, examples) -> bool:
-    """Whether ``value`` carries the example axis: a tensor of rank ≥ 1 whose leading
-    dimension is not a static 1 (a [1, ...] tensor broadcast to the batch is batch-free),
-    unless the batch itself has ``examples`` = 1 statically."""
-    if not tf.is_tensor(value) or value.shape.rank is None or value.shape.rank < 1:
-        return False
-    return value.shape[0] != 1 or examples == 1
-
-
 def independent_outputs(outputs):
     """``outputs`` with each floating-point tensor replaced by an identity copy, and the
     flat indices of those copies.
@@ -113,13 +104,19 @@ class LayerPerExampleRule(GhostRule):
 
     def _replay(self, layer, recording: Recording, grads, variables):
         """[P, *shape] per-example gradients of one recorded call: for each example i, the
-        vector-Jacobian product of the call on row i with its output gradients s_i."""
+        vector-Jacobian product of the call on row i with its output gradients s_i.
+
+        The arguments sliced per example are those the tap found to depend on the batch
+        inputs (``recording.batched_inputs``); the others are shared by all examples. A
+        batch-free call (no batched argument) has per-example output gradients [P, *shape]
+        of its shared outputs, applied whole (tap.py)."""
         args, kwargs = recording.call_inputs
         values = recording.values
-        grads = [tf.zeros_like(w) if g is None else g for g, w in zip(grads, recording.watched)]
-        examples = grads[0].shape[0] if grads else None
+        batch_free = getattr(recording, "batch_free", False)
+        if not batch_free:
+            grads = [tf.zeros_like(w) if g is None else g for g, w in zip(grads, recording.watched)]
         flat_inputs = tf.nest.flatten((args, kwargs))
-        batched = [i for i, v in enumerate(flat_inputs) if is_batched(v, examples)]
+        batched = recording.batched_inputs
 
         def one_example(elems):
             example_inputs, example_grads = elems
@@ -131,7 +128,8 @@ class LayerPerExampleRule(GhostRule):
                 tape.watch(values)
                 with keras.StatelessScope(state_mapping=list(zip(variables, values))):
                     outputs = recording.replay(*call_args, **call_kwargs)
-            vjp = tape.gradient(outputs, values, output_gradients=[g[None] for g in example_grads])
+            output_grads = example_grads if batch_free else [g[None] for g in example_grads]
+            vjp = tape.gradient(outputs, values, output_gradients=output_grads)
             return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(vjp, variables)]
 
         elems = ([flat_inputs[i] for i in batched], grads)

@@ -16,7 +16,7 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.engine import CURRENT_WEIGHTS, _shared_contributions, _trainable_units, forward
+from tf_dp.clipping.engine import CURRENT_WEIGHTS, _shared_contributions, _trainable_units, as_graph_inputs, forward
 from tf_dp.clipping.layer_per_example import squared_row_norms
 from tf_dp.clipping.per_example import per_example_gradients
 from tf_dp.clipping.registry import unit_variables
@@ -53,8 +53,19 @@ def per_example_gradient_norms(model, loss: Callable, x, y, engine: str = "ghost
 
 
 def _ghost_squared_norms(model, loss, x, y, units) -> list:
+    if tf.executing_eagerly():  # the taps read the example axis off the traced graph (example_axis.py)
+        layers = []
+
+        def graph(x, y):
+            squared = _ghost_squared_norms(model, loss, x, y, units)
+            layers[:] = [layer for layer, _ in squared]
+            return [value for _, value in squared]
+
+        values = tf.function(graph, autograph=False)(x, y)
+        return list(zip(layers, values))
+    x = as_graph_inputs(x)
     first = tf.nest.flatten(x)[0]
-    tap = LayerTap(units, batch_size=tf.shape(first)[0])
+    tap = LayerTap(units, batch_size=tf.shape(first)[0], batch_inputs=x)
 
     def per_example_loss(y_true, y_pred):
         return per_example_losses(loss, y_true, y_pred)
@@ -62,7 +73,7 @@ def _ghost_squared_norms(model, loss, x, y, units) -> list:
     with tap:
         with tf.GradientTape() as tape:
             total = tf.reduce_sum(tf.cast(per_example_loss(y, forward(model, x)), tf.float32))
-        shared = tap.shared_layers()  # variables also read outside their layer: whole-model route
+        shared = tap.whole_model_layers()  # weights read elsewhere, batch-free outputs not only broadcast
         output_grads = tape.gradient(total, tap.watched_tensors(skip=shared))
     contributions = tap.contributions(output_grads, skip=shared)
     contributions += _shared_contributions(model, per_example_loss, x, y, CURRENT_WEIGHTS, shared, tap.fallback)

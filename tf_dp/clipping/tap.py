@@ -12,11 +12,16 @@ per example in all its calls as soon as one call is not what its rule models
 (``GhostRule.accepts_call``): the per-example gradient is then the sum over the calls,
 cross terms included.
 
-Batch-free calls: a layer applied to tensors without the example axis (ViT's position ids
-of shape [1, T], broadcast to the batch by the next op) sends every example's gradient
-through the same output; its per-example gradients are those of the broadcast copies, so
-the tap broadcasts such inputs to the batch first, and example i's gradient flows through
-its own slice.
+Batch-free calls: which arguments carry the example axis is read off the traced graph — an
+argument does iff its value depends on the batch inputs (example_axis.py), never from its
+shape. A layer applied to batch-free tensors only (ViT's position ids [1, T], keras.io's
+``pos_emb(range(maxlen))`` of shape [T], a table of class features [K, f]) computes one output
+shared by every example. Where that output is used only by element-wise ops broadcasting it
+against the batch (``x + positions``), example i's output gradient is the VJP of that op at
+row i, and the layer is replayed once per example with the shared inputs and those output
+gradients (exact). A call mixing batched and batch-free tensor arguments, or a batch-free
+output used any other way (a prototype head's ``h @ zᵀ``), sends the layer to the exact
+whole-model route below (``whole_model_layers``).
 
 Shared weights: a variable of a tapped layer read while another layer's call (or no
 tapped call) is running — logits = h Eᵀ written by hand with another layer's table —
@@ -36,17 +41,22 @@ import threading
 import tensorflow as tf
 from keras.src.backend.common import variables as keras_variables
 
-from tf_dp.clipping.layer_per_example import LayerPerExampleRule, is_batched
+from tf_dp.clipping.example_axis import BatchDependence, Dependence, broadcast_uses
+from tf_dp.clipping.layer_per_example import LayerPerExampleRule
 from tf_dp.clipping.registry import GhostRule, ghost_rule_for
+
+BATCHED, BATCH_FREE, MIXED = "batched", "batch-free", "mixed"
 
 
 class LayerTap:
     """Context manager recording, per tapped layer, a list of ``Recording``s.
 
     ``batch_size``: the number of examples B (a scalar tensor or int); when None, taken from
-    the first tapped call that carries an example axis."""
+    the first tapped call that carries an example axis. ``batch_inputs``: the model's inputs x
+    (graph tensors), which decide which arguments carry the example axis; None (inspection
+    only, e.g. listing a model's replayed layers) takes every tensor of rank ≥ 1 as batched."""
 
-    def __init__(self, layers, use_ghost_rules: bool = True, batch_size=None):
+    def __init__(self, layers, use_ghost_rules: bool = True, batch_size=None, batch_inputs=None):
         self.fallback = LayerPerExampleRule(self)
         self.units: list[tuple[object, GhostRule]] = [
             (layer, (ghost_rule_for(layer) if use_ghost_rules else None) or self.fallback) for layer in layers
@@ -58,6 +68,8 @@ class LayerTap:
         self._owners = {id(v): layer for layer, _ in self.units for v in self.fallback.variables(layer)}
         self._running: list = []  # the tapped calls in progress, innermost last
         self.foreign_reads: dict[int, tuple] = {}  # id(variable) → (variable, owner, reader)
+        self._dependence = None if batch_inputs is None else BatchDependence(batch_inputs)
+        self.mixed_calls = set()  # ids of layers called with batched and batch-free tensors together
 
     def __enter__(self):
         for layer, rule in self.units:
@@ -99,39 +111,42 @@ class LayerTap:
                 self._running.pop()
 
         def record(*args, **kwargs):
-            args, kwargs = self._with_example_axis(args, kwargs)
+            kind, batched = self._classify(args, kwargs)
             use = rule
-            if rule is not self.fallback and not rule.accepts_call(layer, args, kwargs):
+            if kind != BATCHED or (rule is not self.fallback and not rule.accepts_call(layer, args, kwargs)):
                 self.replayed.add(id(layer))
                 use = self.fallback
+            if kind == MIXED:
+                self.mixed_calls.add(id(layer))
             values = self.fallback.values(layer)
             outputs = use.tapped_call(layer, original_call, recordings, *args, **kwargs)
             recording = recordings[-1]
             recording.call_inputs, recording.values = (args, kwargs), values
+            recording.batched_inputs, recording.batch_free = batched, kind == BATCH_FREE
             if use is not self.fallback:
                 recording.replay = _rule_replay(use, layer, original_call)
             return outputs
 
         return call
 
-    def _with_example_axis(self, args, kwargs):
-        """The call's arguments, with tensors lacking the example axis broadcast to the
-        batch when no argument has one (a batch-free call, see the module docstring)."""
+    def _classify(self, args, kwargs):
+        """(kind, flat indices of the batched arguments): BATCHED when every tensor argument of
+        rank ≥ 1 depends on the batch inputs, BATCH_FREE when none provably does, else MIXED
+        (see the module docstring)."""
         flat = tf.nest.flatten((args, kwargs))
-        tensors = [v for v in flat if tf.is_tensor(v) and v.shape.rank is not None and v.shape.rank >= 1]
-        batched = [v for v in tensors if is_batched(v, None)]
+        tensors = [i for i, v in enumerate(flat) if tf.is_tensor(v) and v.shape.rank != 0]
+        if self._dependence is None:
+            dependence = {i: Dependence.DEPENDS for i in tensors}
+        else:
+            dependence = {i: self._dependence.of(flat[i]) for i in tensors}
+        batched = [i for i in tensors if dependence[i] == Dependence.DEPENDS]
         if batched and self.batch_size is None:
-            self.batch_size = tf.shape(batched[0])[0]
-        if batched or not tensors or self.batch_size is None:
-            return args, kwargs
-        examples = self.batch_size
-
-        def broadcast(value):
-            if tf.is_tensor(value) and value.shape.rank is not None and value.shape.rank >= 1:
-                return tf.broadcast_to(value, tf.concat([[examples], tf.shape(value)[1:]], axis=0))
-            return value
-
-        return tf.nest.pack_sequence_as((args, kwargs), [broadcast(v) for v in flat])
+            self.batch_size = tf.shape(flat[batched[0]])[0]
+        if len(batched) == len(tensors) and batched:
+            return BATCHED, batched
+        if not batched and all(d == Dependence.INDEPENDENT for d in dependence.values()):
+            return BATCH_FREE, batched
+        return MIXED, batched
 
     @contextlib.contextmanager
     def paused(self):
@@ -142,11 +157,36 @@ class LayerTap:
         finally:
             self._paused = previous
 
+    def whole_model_layers(self) -> list:
+        """Tapped layers whose per-example gradients need the whole-model route, in tap order:
+        variables read outside their own calls (``shared_layers``), calls mixing batched and
+        batch-free tensors, and batch-free outputs used other than by a broadcast against the
+        batch. Call after the forward pass and before any gradient (it reads the graph's
+        consumers of the batch-free outputs)."""
+        shared = {id(layer) for layer in self.shared_layers()}
+        return [layer for layer, _ in self.units
+                if id(layer) in shared or id(layer) in self.mixed_calls or not self._broadcasts_resolved(layer)]
+
+    def _broadcasts_resolved(self, layer) -> bool:
+        """Finds the broadcast uses of each batch-free recording's outputs; False if one has another use."""
+        for recording in self.recordings[id(layer)]:
+            if recording.batch_free and getattr(recording, "broadcast_uses", None) is None:
+                uses = [broadcast_uses(t, self._dependence) for t in recording.watched]
+                if any(u is None for u in uses):
+                    return False
+                recording.broadcast_uses = uses
+        return True
+
     def watched_tensors(self, skip=()) -> list:
-        """The tensors whose gradients the rules need (none of the layers in ``skip``)."""
+        """The tensors whose gradients the rules need (none of the layers in ``skip``): for a
+        batch-free recording, the outputs of the ops that broadcast its outputs to the batch."""
         skipped = {id(layer) for layer in skip}
-        return [t for layer, _ in self.units if id(layer) not in skipped
-                for r in self.recordings[id(layer)] for t in r.watched]
+        kept = [layer for layer, _ in self.units if id(layer) not in skipped]
+        unresolved = [layer.name for layer in kept if not self._broadcasts_resolved(layer)]
+        if unresolved:
+            raise ValueError(f"Layers {unresolved} have batch-free calls whose outputs are not only broadcast to the "
+                             "batch: pass them in `skip` (see LayerTap.whole_model_layers).")
+        return [t for layer in kept for r in self.recordings[id(layer)] for t in _gradient_targets(r)]
 
     def contributions(self, output_grads: list, skip=()):
         """Splits the flat gradient list of ``watched_tensors`` back per layer and builds
@@ -159,11 +199,28 @@ class LayerTap:
             if id(layer) in skipped:
                 continue
             recordings = self.recordings[id(layer)]
-            per_recording = [[next(grads) for _ in r.watched] for r in recordings]
+            per_recording = [self._recording_grads(r, [next(grads) for _ in _gradient_targets(r)])
+                             for r in recordings]
             if recordings:
                 use = self.fallback if id(layer) in self.replayed else rule
                 result.append((layer, use, use.contribution(layer, recordings, per_recording)))
         return result
+
+    def _recording_grads(self, recording, grads: list) -> list:
+        """The output gradients of one recording: as given, or for a batch-free recording the
+        per-example ones [P, *shape] of each output, summed over its broadcast uses."""
+        if not recording.batch_free:
+            return grads
+        grads = iter(grads)
+        per_output = []
+        for tensor, uses in zip(recording.watched, recording.broadcast_uses):
+            total = tf.zeros(tf.concat([[self.batch_size], tf.shape(tensor)], axis=0), tensor.dtype)
+            for use in uses:
+                grad = next(grads)
+                if grad is not None:
+                    total += use.per_example_cotangent(grad, self.batch_size)
+            per_output.append(total)
+        return per_output
 
 
 class _ReadWatch:
@@ -201,6 +258,14 @@ class _ReadWatch:
             if cls._open == 0:
                 keras_variables.Variable.value = cls._original
                 cls._original = None
+
+
+def _gradient_targets(recording) -> list:
+    """The tensors whose gradients of Σ_i ℓ_i a recording needs: its watched outputs, or for a
+    batch-free recording the outputs of their broadcast uses."""
+    if not getattr(recording, "batch_free", False):
+        return recording.watched
+    return [use.output for uses in recording.broadcast_uses for use in uses]
 
 
 def _rule_replay(rule, layer, original_call):
