@@ -69,6 +69,10 @@ class PrivacyLedger(tf.Module):
         self.phase_table = tf.Variable(np.zeros((MAX_PHASES, _COLUMNS)), dtype=tf.float64, trainable=False,
                                        name="phases", aggregation=once)
         self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="steps", aggregation=once)
+        # Steps the compiled step refused because they could not be recorded (a transient
+        # flag for the host, hidden from every saver).
+        self._refusals = _Untracked(count=tf.Variable(0, dtype=tf.int64, trainable=False, name="refused_steps",
+                                                      aggregation=once))
 
     def save_to(self, store) -> None:
         store[self.STORE_KEYS[0]] = self.phase_table.numpy()
@@ -120,31 +124,52 @@ class PrivacyLedger(tf.Module):
         phases = self.phases()
         return phases[-1] if phases else None
 
-    def record_step(self, noise_multiplier: tf.Tensor, taken: tf.Tensor | int = 1):
+    def record_step(self, noise_multiplier: tf.Tensor, taken: tf.Tensor | int = 1) -> tf.Tensor:
         """Counts one DP step at the σ it actually used (runs inside the compiled step).
 
         If σ differs from the current phase's (a callback or schedule changed it), a new
         phase opens at this step — a copy of the current one with this σ — so the ledger
         composes exactly what ran, step by step. ``taken`` is 1, or 0 for a step a privacy
-        budget blocked (it released nothing). Runs before the step's update: a full table
-        fails the step before anything is released.
+        budget blocked. Runs before the step's update.
+
+        A step that needs a new phase when the table is full cannot be recorded: it is
+        refused — not counted, and the returned flag is 0, so the step must release
+        nothing — and ``raise_if_refused`` stops training from the host right after.
+        (No in-graph assertion: XLA compiles ``tf.debugging.Assert`` to a no-op.)
+
+        Returns:
+          float32 1.0 if the step is recorded (it may release), else 0.0.
         """
         table, steps = self.phase_table.read_value(), self.steps.read_value()
         sigma = tf.cast(noise_multiplier, tf.float64)
+        wanted = tf.cast(taken, tf.bool)
         count = tf.reduce_sum(tf.cast(table[:, 0] > 0, tf.int32))
         last = tf.maximum(count - 1, 0)
-        current = table[last]
-        changed = tf.logical_and(count > 0, tf.logical_and(tf.cast(taken, tf.bool), current[2] != sigma))
+        # A gather, not table[last]: a slice at a data-dependent offset makes XLA take the
+        # table as a compile-time constant, recompiling the step at every new phase.
+        current = tf.gather(table, last)
+        new_phase = tf.logical_and(count > 0, current[2] != sigma)
         # A phase that has not taken a step yet is replaced rather than followed.
         index = tf.where(current[5] == tf.cast(steps, tf.float64), last, count)
-        capacity = tf.debugging.Assert(tf.logical_or(tf.logical_not(changed), index < MAX_PHASES),
-                                       [f"The privacy ledger holds at most {MAX_PHASES} phases: noise_multiplier "
-                                        "changed too often."])
-        with tf.control_dependencies([capacity]):
-            row = tf.tensor_scatter_nd_update(current, [[2], [5]], tf.stack([sigma, tf.cast(steps, tf.float64)]))
-            updated = tf.tensor_scatter_nd_update(table, [[tf.minimum(index, MAX_PHASES - 1)]], row[None])
-            self.phase_table.assign(tf.where(changed, updated, table))
-            self.steps.assign_add(tf.cast(taken, tf.int64))
+        recorded = tf.logical_and(wanted, tf.logical_or(tf.logical_not(new_phase), index < MAX_PHASES))
+        row = tf.tensor_scatter_nd_update(current, [[2], [5]], tf.stack([sigma, tf.cast(steps, tf.float64)]))
+        updated = tf.tensor_scatter_nd_update(table, [[tf.minimum(index, MAX_PHASES - 1)]], row[None])
+        self.phase_table.assign(tf.where(tf.logical_and(recorded, new_phase), updated, table))
+        self.steps.assign_add(tf.cast(recorded, tf.int64))
+        self._refusals.count.assign_add(tf.cast(tf.logical_and(wanted, tf.logical_not(recorded)), tf.int64))
+        return tf.cast(recorded, tf.float32)
+
+    def raise_if_refused(self) -> None:
+        """Raises if the compiled step refused steps it could not record (called by the
+        host after every execution of the train function)."""
+        refused = int(self._refusals.count.numpy())
+        if refused:
+            self._refusals.count.assign(0)
+            raise RuntimeError(
+                f"tf_dp: training stopped: the privacy ledger holds at most {MAX_PHASES} phases and noise_multiplier "
+                f"changed again, so {refused} step(s) were refused (they released nothing; the ledger and ε cover "
+                f"the {int(self.steps.numpy())} steps that ran). Change noise_multiplier less often, e.g. once per "
+                "epoch or in a few stages, rather than every step.")
 
     def event(self) -> dp_event.DpEvent:
         return composed_event(self.phases())
@@ -180,3 +205,10 @@ def epsilon_of_phases(phases: list[Phase], delta: float, accountant: str = "rdp"
     if any(p.histogram_noise for p in phases):
         return joint_epsilon_of_phases(phases, delta, accountant)
     return epsilon_of_event(composed_event(phases), delta, accountant)
+
+
+class _Untracked:
+    """Attributes hidden from TF tracking (so from every saver): a plain object."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)

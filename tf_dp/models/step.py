@@ -36,13 +36,31 @@ class DPTrainStep:
         dp_step, sigma = ledger.steps.read_value(), optimizer.noise_multiplier_tensor()
         points = optimizer.evaluation_points(self.trainable_variables)
         clipped_sums = self._clipped_sum_over_chunks(x, y, mask, optimizer.clip_bound(), points)
-        self._release = self.step_limit.allows(dp_step, sigma)
-        ledger.record_step(sigma, self._release)  # before the update: what is released is recorded
+        # Before the update: a step is released only if the budget allows it AND the ledger
+        # recorded it (0 when its table is full: the host then stops training).
+        self._release = ledger.record_step(sigma, self.step_limit.allows(dp_step, sigma))
         optimizer.apply_private_gradients(
             clipped_sums, self.trainable_variables, expected_batch_size, self._regularization_gradients(),
             dp_step=dp_step, noise_multiplier=sigma, release=self._release,
         )
         return self._step_logs()
+
+    def make_train_function(self, force=False):
+        """Keras' train function, followed on the host by the ledger's check: a step the
+        ledger could not record released nothing, and training stops right after it."""
+        super().make_train_function(force)
+        function = self.train_function
+        if getattr(function, "checks_the_ledger", False):
+            return function
+
+        def train_function_then_check_the_ledger(*args, **kwargs):
+            logs = function(*args, **kwargs)
+            self.privacy_ledger.raise_if_refused()
+            return logs
+
+        train_function_then_check_the_ledger.checks_the_ledger = True
+        self.train_function = train_function_then_check_the_ledger
+        return self.train_function
 
     def _step_logs(self) -> dict:
         """Train loss, metrics and the non-finite count — exact functions of the private
