@@ -9,7 +9,9 @@ released sum by more than C. Both are refused:
 
 * statically: the result must have rank ≥ 1 and one value per row of y_pred;
 * by a probe, on first use for each shape: on a small synthetic batch, changing row k of
-  y_pred (or of y_true) must leave ℓ_j, j ≠ k, bit-for-bit unchanged.
+  y_pred (or of y_true) must leave ℓ_j, j ≠ k, bit-for-bit unchanged; so must moving one
+  row's loss from the smallest of an 8- or 16-row batch to the largest (hard-example mining
+  and other losses that depend on the ranks of the ℓ_i within the batch).
 
 Weights are part of the example (they travel with its row, so the sensitivity stays C):
 
@@ -33,8 +35,11 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.trainers import compile_utils
 
-PROBE_ROWS = 3
+PROBE_ROWS = 3  # rows of the probe's row sweep
+RANK_PROBE_ROWS = (8, 16)  # batch sizes of the probe's rank moves
 FIX = ("Fix: return one loss value per example, computed from that example's row alone (e.g. a "
        "keras.losses.Loss whose call() keeps the batch axis, or `axis=` for dice/tversky); "
        "tf_dp averages any further axes per example.")
@@ -55,6 +60,13 @@ def unpack_targets(y):
     return y, None
 
 
+def without_unused_targets(loss_fn, y):
+    """``y`` without the None targets of outputs whose loss is None (``loss=[fn, None]``
+    with ``y=[y0, None]``, as Keras accepts): what the DP step and the data pipeline take."""
+    strip = getattr(loss_fn, "without_unused_targets", None)
+    return y if strip is None or y is None else strip(y)
+
+
 def per_example_loss(loss, loss_weights=None, output_names: Optional[Sequence[str]] = None
                      ) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
     """Returns f(y_true, y_pred) -> [P] with ℓ_i averaged over any non-batch axes, as
@@ -73,16 +85,22 @@ class _SingleOutputLoss:
     """ℓ_i of one output: the loss's values reduced per example (weighted if y is packed)."""
 
     def __init__(self, loss):
-        resolved = keras.losses.get(loss)
-        if resolved is None:
-            raise ValueError(f"Unknown `loss`: {loss!r}.")
-        self.unreduced = resolved.call if isinstance(resolved, keras.losses.Loss) else resolved
+        self.identifier = loss
+        self.unreduced, self.by_weight_total = None, False
+        if not _chosen_by_shapes(loss):
+            self._resolve(resolve_loss(loss))
+        self._probed = set()
+
+    def _resolve(self, resolved: keras.losses.Loss) -> None:
+        self.unreduced = resolved.call
         _require_two_argument_call(self.unreduced)
         self.by_weight_total = getattr(resolved, "reduction", None) == "mean_with_sample_weight"
-        self._probed = set()
 
     def __call__(self, y_true, y_pred):
         y_true, sample_weight = unpack_targets(y_true)
+        y_true = tf.convert_to_tensor(y_true)
+        if self.unreduced is None:  # "crossentropy": binary, sparse or categorical by the shapes, as Keras
+            self._resolve(compile_utils.get_loss(self.identifier, y_true, y_pred))
         values = _per_row(self.unreduced, y_true, y_pred, sample_weight, self.by_weight_total)
         signature = _signature(y_true, y_pred)
         if signature not in self._probed:
@@ -101,8 +119,8 @@ class _MultiOutputLoss:
         self.loss, self.loss_weights = loss, loss_weights
         self.output_names = list(output_names) if output_names else None
         for leaf in (loss.values() if isinstance(loss, dict) else loss if isinstance(loss, (list, tuple)) else [loss]):
-            if leaf is not None and keras.losses.get(leaf) is None:
-                raise ValueError(f"Unknown `loss`: {leaf!r}.")
+            if leaf is not None and not _chosen_by_shapes(leaf):
+                resolve_loss(leaf)  # an unknown name is refused at compile
         self._per_output: dict = {}
 
     def __call__(self, y_true, y_pred):
@@ -110,6 +128,10 @@ class _MultiOutputLoss:
         names, predictions = self._outputs(y_pred)
         for structure, what in ((self.loss, "loss"), (self.loss_weights, "loss_weights")):
             _require_known_keys(structure, names, what)
+        with_loss = [name for index, name in enumerate(names)
+                     if _pick(self.loss, name, index, len(names), "loss", broadcast=True) is not None]
+        y_true = _onto_outputs_with_loss(y_true, names, with_loss)
+        sample_weight = _onto_outputs_with_loss(sample_weight, names, with_loss)
         total = None
         for index, (name, prediction) in enumerate(zip(names, predictions)):
             loss = _pick(self.loss, name, index, len(names), "loss", broadcast=True)
@@ -118,6 +140,9 @@ class _MultiOutputLoss:
             weight = _pick(self.loss_weights, name, index, len(names), "loss_weights", broadcast=True)
             weight = 1.0 if weight is None else float(weight)
             targets = _pick(y_true, name, index, len(names), "y", broadcast=False)
+            if targets is None:
+                raise ValueError(f"`y` has no targets (None) for output {name!r}, which has a loss: give its targets, "
+                                 "or set its loss to None.")
             weights = _pick(sample_weight, name, index, len(names), "sample_weight", broadcast=True)
             if name not in self._per_output:
                 self._per_output[name] = _SingleOutputLoss(loss)
@@ -129,6 +154,35 @@ class _MultiOutputLoss:
             raise ValueError("`loss` assigns no loss to any of the model's outputs.")
         return total
 
+    def without_unused_targets(self, y):
+        """``y`` without the None targets of outputs that have no loss, as Keras accepts
+        ``y=[y0, None]`` (or ``y0`` alone) for ``loss=[fn, None]``: the targets left, one
+        per output with a loss (a single array if one is left). Refuses (ValueError naming
+        `y`) None targets for an output that has a loss."""
+        if isinstance(y, dict):
+            names = list(y)
+            unused = {name for name in names if y[name] is None and self._loss_of(name, names) is None}
+            return {name: value for name, value in y.items() if name not in unused}
+        if not isinstance(y, (list, tuple)) or all(target is not None for target in y):
+            return y
+        names = self.output_names if self.output_names and len(self.output_names) == len(y) \
+            else [str(i) for i in range(len(y))]
+        for index, (name, target) in enumerate(zip(names, y)):
+            if target is None and self._loss_of(name, names) is not None:
+                raise ValueError(f"`y[{index}]` is None, but output {name!r} has a loss: give its targets, or set "
+                                 "its loss to None.")
+        kept = tuple(target for target in y if target is not None)
+        return kept[0] if len(kept) == 1 else kept
+
+    def _loss_of(self, name: str, names: list):
+        """The loss of output ``name`` (``names``: the outputs in order, when the model's are unknown)."""
+        if isinstance(self.loss, dict):
+            return self.loss.get(name)
+        if not isinstance(self.loss, (list, tuple)):
+            return self.loss
+        order = self.output_names if self.output_names and name in self.output_names else names
+        return self.loss[order.index(name)] if len(self.loss) == len(order) else self.loss  # a mismatch: refused later
+
     def _outputs(self, y_pred):
         if isinstance(y_pred, dict):
             names = list(self.output_names) if self.output_names and set(self.output_names) == set(y_pred) \
@@ -138,6 +192,35 @@ class _MultiOutputLoss:
         names = self.output_names if self.output_names and len(self.output_names) == len(predictions) \
             else [str(i) for i in range(len(predictions))]
         return list(names), predictions
+
+
+_BY_SHAPES = ("crossentropy", "ce")
+
+
+def _chosen_by_shapes(loss) -> bool:
+    """Keras' "crossentropy"/"ce": the loss is picked from the target and output shapes."""
+    return isinstance(loss, str) and loss.lower() in _BY_SHAPES
+
+
+def resolve_loss(loss) -> keras.losses.Loss:
+    """The Keras Loss that ``compile(loss=loss)`` evaluates: a string or a function is
+    wrapped as Keras wraps it (``LossFunctionWrapper``, whose ``call`` first aligns the
+    ranks of y_true and y_pred: labels [B] against outputs [B, 1]); a Loss stays itself.
+    Raises ValueError naming `loss` for an unknown identifier."""
+    if isinstance(loss, keras.losses.Loss):
+        return loss
+    try:
+        resolved = keras.losses.get(loss)
+    except ValueError as error:
+        raise ValueError(f"Unknown `loss`: {loss!r} ({error}). Fix: pass a Keras loss name (e.g. "
+                         "'binary_crossentropy'), a keras.losses.Loss or a function (y_true, y_pred).") from None
+    if resolved is None:
+        raise ValueError(f"Unknown `loss`: {loss!r}.")
+    if isinstance(resolved, keras.losses.Loss):
+        return resolved
+    _require_two_argument_call(resolved)
+    name = loss if isinstance(loss, str) else getattr(resolved, "__name__", None)
+    return LossFunctionWrapper(resolved, name=name)
 
 
 def _pick(structure, name: str, index: int, count: int, what: str, broadcast: bool):
@@ -158,6 +241,19 @@ def _pick(structure, name: str, index: int, count: int, what: str, broadcast: bo
     if not broadcast and count > 1:
         raise ValueError(f"`{what}` must be a list or dict with one entry per output for a model with {count} outputs.")
     return structure
+
+
+def _onto_outputs_with_loss(structure, names: list, with_loss: list):
+    """Targets (or sample weights) given only for the outputs that have a loss — one
+    array, or a list with one entry per such output, for a model with more outputs — as
+    {output name: entry}, in the outputs' order (Keras' CompileLoss does the same);
+    anything else unchanged."""
+    if structure is None or isinstance(structure, dict) or len(with_loss) == len(names):
+        return structure
+    flat = list(structure) if isinstance(structure, (list, tuple)) else [structure]
+    if len(flat) != len(with_loss) or (isinstance(structure, (list, tuple)) and len(flat) == len(names)):
+        return structure
+    return dict(zip(with_loss, flat))
 
 
 def _require_known_keys(structure, names, what: str) -> None:
@@ -230,25 +326,60 @@ def _signature(y_true, y_pred) -> tuple:
 
 
 def check_loss_rows_independent(unreduced, y_true, y_pred, rows: int = PROBE_ROWS) -> None:
-    """On a synthetic batch of ``rows`` rows shaped like (y_true, y_pred): for each row k,
-    replacing y_pred[k] (then y_true[k]) leaves ℓ_j for every j ≠ k exactly unchanged.
+    """Refuses a loss whose ℓ_j moves when only another row k of the batch changes, on
+    synthetic batches shaped like (y_true, y_pred):
+
+    * row sweep, ``rows`` rows: for each row k, replacing y_pred[k] (then y_true[k]) leaves
+      ℓ_j for every j ≠ k exactly unchanged;
+    * rank moves, at each size in ``RANK_PROBE_ROWS``: the row with the smallest loss takes
+      the (y_true, y_pred) of the row with the largest — its loss moves from the smallest to
+      the largest — and the other way round. A loss that depends on the ranks of the ℓ_i
+      within the batch (hard-example mining: keep the top ⌈f·B⌉ losses, zero the others) may
+      pass a sweep — on 3 rows ⌈0.7·3⌉ keeps every row — but every row's rank moves here, on
+      batches where any fraction f ≤ 15/16 drops a row (rows 8 and 16).
 
     Synthetic values: y_pred ~ U(0.05, 0.95) (valid probabilities, logits, positive rates);
     y_true alternates 0/1 across rows and entries (valid labels for sparse, one-hot and
-    binary losses, and two classes, so pairwise losses see both positives and negatives)."""
-    true, pred = _synthetic_batch(y_true, y_pred, rows)
-    try:
-        base = _probe_values(unreduced, true, pred)
-        for k in range(rows):
-            for name, changed in (("y_pred", (true, _replace_row(pred, k, 1.0 - pred[k]))),
-                                  ("y_true", (_replace_row(true, k, 1 - true[k]), pred))):
-                _compare_other_rows(base, _probe_values(unreduced, *changed), k, name)
-    except ValueError as error:
-        if "`loss`" in str(error):
-            raise
-        raise _probe_failed(error, true, pred) from error
-    except (TypeError, tf.errors.OpError) as error:
-        raise _probe_failed(error, true, pred) from error
+    binary losses, and two classes, so pairwise losses see both positives and negatives).
+    13 evaluations of the loss at the defaults (each on at most 16 rows), once per shape."""
+    for size in sorted({rows, *RANK_PROBE_ROWS}):
+        true, pred = _synthetic_batch(y_true, y_pred, size)
+        try:
+            base = _probe_values(unreduced, true, pred)
+            changes = (_row_changes(true, pred) if size == rows else []) + _rank_moves(base, true, pred)
+            for k, what, changed in changes:
+                _compare_other_rows(base, _probe_values(unreduced, *changed), k, what)
+        except ValueError as error:
+            if "`loss`" in str(error):
+                raise
+            raise _probe_failed(error, true, pred) from error
+        except (TypeError, tf.errors.OpError) as error:
+            raise _probe_failed(error, true, pred) from error
+
+
+def _row_changes(true: np.ndarray, pred: np.ndarray) -> list:
+    """(k, what changed, (y_true, y_pred)) with row k of y_pred, then of y_true, replaced."""
+    changes = []
+    for k in range(len(pred)):
+        changes.append((k, "y_pred", (true, _replace_row(pred, k, 1.0 - pred[k]))))
+        changes.append((k, "y_true", (_replace_row(true, k, 1 - true[k]), pred)))
+    return changes
+
+
+def _rank_moves(base: np.ndarray, true: np.ndarray, pred: np.ndarray) -> list:
+    """(k, what changed, (y_true, y_pred)): the smallest-loss row given the largest-loss row's
+    (y_true, y_pred), and the largest-loss row given the smallest's (none if all are equal)."""
+    if np.all(np.isnan(base)):
+        return []
+    lowest, highest = int(np.nanargmin(base)), int(np.nanargmax(base))
+    if base[lowest] == base[highest]:
+        return []
+    moves = []
+    for k, donor, direction in ((lowest, highest, "smallest to the largest"),
+                                (highest, lowest, "largest to the smallest")):
+        what = f"y_true and y_pred (moving its loss from the batch's {direction})"
+        moves.append((k, what, (_replace_row(true, k, true[donor]), _replace_row(pred, k, pred[donor]))))
+    return moves
 
 
 def _probe_values(unreduced, true: np.ndarray, pred: np.ndarray) -> np.ndarray:
@@ -278,9 +409,9 @@ def _compare_other_rows(base: np.ndarray, changed: np.ndarray, k: int, what: str
         j = int(np.flatnonzero(moved & others)[0])
         raise ValueError(
             f"`loss` mixes examples: changing row {k} of {what} changed the loss of row {j} "
-            f"({float(base[j]):.7g} -> {float(changed[j]):.7g}). Each example's loss must depend on that example "
-            f"alone (no batch statistics, pairwise terms or batch reductions), or per-example clipping does not "
-            f"bound it. {FIX}"
+            f"({float(base[j]):.7g} -> {float(changed[j]):.7g}) in a probe batch of {len(base)} rows. Each example's "
+            f"loss must depend on that example alone (no batch statistics, pairwise terms, ranks or top-k selection "
+            f"within the batch, or batch reductions), or per-example clipping does not bound it. {FIX}"
         )
 
 
