@@ -9,7 +9,8 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.sampling.loader import poisson_loader
+from tf_dp.sampling.dataset_graph import duplicating_idioms
+from tf_dp.sampling.loader import augmented_spec, poisson_loader
 from tf_dp.sampling.sources import ArraySource, ExampleSource, example_source
 
 POISSON_KEYS = ("x", "y", "mask", "expected_batch_size")
@@ -58,6 +59,26 @@ def is_batched_dataset(dataset: tf.data.Dataset, model) -> bool:
     )
 
 
+def refuse_duplicating_batches(dataset: tf.data.Dataset) -> None:
+    """Raises ValueError if the batched ``dataset`` can put one example into a batch twice.
+
+    Each copy is clipped separately, so one example could move the released sum by k·C while
+    the step is accounted at sensitivity C (docs/algorithms.md §1). Refused upstream of a
+    batching op: a repeat (other than repeat(1)), a concatenate/sample_from_datasets of a
+    dataset with itself or a copy, a flat_map/interleave yielding a captured dataset or
+    repeating inside, a zip that pairs one example with another of the same source — and a
+    pipeline whose graph cannot be read. A repeat AFTER the batch is sound and allowed. The
+    caller promises the rest: a batched dataset presents each example at most once per batch."""
+    idioms = duplicating_idioms(dataset, batched=True)
+    if idioms:
+        raise ValueError(
+            f"fit() refuses this batched dataset: {'; '.join(idioms)} upstream of .batch() can put one example into "
+            "a batch more than once, and each copy is clipped separately (the example moves the noisy sum by k·C, "
+            "while each step is accounted at sensitivity C). Fix: pass the UNBATCHED dataset (without repeat) or "
+            "arrays with batch_size=... for Poisson sampling (fit's `epochs` repeats the data); or put .repeat() "
+            "after .batch() (ds.batch(L).repeat()), which keeps each batch free of duplicates.")
+
+
 def _x_spec(spec):
     return spec[0] if isinstance(spec, tuple) else spec
 
@@ -90,6 +111,72 @@ def model_input_rank(model) -> Optional[int]:
         return None
     shape = _first_shape(next(iter(shapes.values())))
     return None if shape is None else len(shape)
+
+
+def refuse_batched_records(source: ExampleSource, model, augment: Optional[Callable] = None) -> None:
+    """Raises ValueError unless the records of a random-access ``source`` are single examples
+    of ``model``'s input (``augment``ed first, when given), as read from the model's input
+    shape; a source of batches (e.g. ``grain.MapDataset.source(s).batch(32)``) would be
+    accounted with N = the number of batches, a far too small ε. Arrays (rows are examples
+    by definition) pass; an unbuilt model, whose input shape is unknown, is refused."""
+    if isinstance(source, ArraySource):
+        return
+    x_spec = source.spec[0] if augment is None else augmented_spec(augment, source.spec[0])
+    records = [tuple(leaf.shape.as_list()) for leaf in tf.nest.flatten(x_spec)]
+    examples = model_example_shapes(model)
+    name = getattr(model, "name", "the model")
+    if examples is None:
+        raise ValueError(
+            f"tf_dp cannot tell whether this source's records (x of shape {list(records[0])}) are single examples or "
+            f"batches: {name} is not built, so its input shape is unknown. Reading a batch as one example would "
+            "account N = number of batches (far too small an ε). Build the model first (model.build((None, "
+            "*example_shape)), or call it once on one example), or give it a keras.Input.")
+    verdicts = {_record_unit(record, examples) for record in records}
+    if verdicts == {"example"}:
+        return
+    if "batch" in verdicts and "example" not in verdicts:
+        raise ValueError(
+            f"The source's records are BATCHES (x of shape {list(records[0])}), but {name} takes examples of shape "
+            f"{list(examples[0])}: each record would count as one example (N = number of batches, far too small an "
+            "ε). Pass a source whose record i is example i (e.g. a grain MapDataset without .batch()); fit samples "
+            "the batches itself.")
+    raise ValueError(
+        f"The source's records (x of shape {[list(r) for r in records]}) match neither single examples nor batches "
+        f"of {name}'s inputs (examples of shape {[list(e) for e in examples]}).")
+
+
+def _record_unit(record: tuple, examples: list) -> str:
+    """'example' if ``record`` is one example of some input shape, 'batch' if a batch of one, else 'neither'."""
+    if any(_compatible(record, e) for e in examples):
+        return "example"
+    if record and any(_compatible(record[1:], e) for e in examples):
+        return "batch"
+    if any(_keras_adjusts(record, e) for e in examples):  # a trailing axis of 1 Keras adds or squeezes
+        return "example"
+    return "neither"
+
+
+def _compatible(shape: tuple, reference: tuple) -> bool:
+    return len(shape) == len(reference) and all(a is None or b is None or a == b for a, b in zip(shape, reference))
+
+
+def _keras_adjusts(shape: tuple, reference: tuple) -> bool:
+    return (_compatible((*shape, 1), reference) or
+            (len(shape) > 0 and shape[-1] == 1 and _compatible(shape[:-1], reference)))
+
+
+def model_example_shapes(model) -> Optional[list]:
+    """The shapes of one example (batch axis dropped) of each of the model's inputs, if
+    known: a functional model's ``inputs``, else the first shape it was built with."""
+    try:
+        inputs = getattr(model, "inputs", None)
+    except (AttributeError, ValueError):
+        inputs = None
+    if inputs:
+        return [tuple(tensor.shape)[1:] for tensor in tf.nest.flatten(inputs)]
+    shapes = getattr(model, "_build_shapes_dict", None)
+    shape = _first_shape(next(iter(shapes.values()))) if shapes else None
+    return None if shape is None else [tuple(shape)[1:]]
 
 
 def _first_shape(shapes):

@@ -25,7 +25,8 @@ from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
 from tf_dp.clipping.engine import ONE_VIEW, AugmentationViews
 from tf_dp.data.tfds import source_for_fit as tfds_source_for_fit
 from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset, is_batched_dataset, num_rows,
-                               poisson_dataset)
+                               poisson_dataset, refuse_batched_records, refuse_duplicating_batches)
+from tf_dp.models.losses import without_unused_targets
 from tf_dp.models.row_independence import DONOR_SEARCH, GUARD_ROWS, check_rows_independent
 from tf_dp.models.step import DPTrainStep, sample_weight_extras
 from tf_dp.optimizers import DPOptimizer
@@ -111,6 +112,7 @@ class DPFitting:
                     validation_data = (*validation_data, tail_weights)
         num_examples = len(source)
         self._set_example_weights(sample_weight, class_weight, num_examples)
+        refuse_batched_records(source, self, augment)
         x, y = source.head(GUARD_ROWS + DONOR_SEARCH)  # what the guard and the build read: never all of the data
         if augment is not None:
             x = augment_examples(augment, x)
@@ -174,6 +176,7 @@ class DPFitting:
     def _fit_fixed_batches(self, dataset, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
                            steps_per_epoch, **kwargs):
         declared = declared_batch_size(dataset, batch_size)
+        refuse_duplicating_batches(dataset)
         warnings.warn(
             "tf_dp: fit() received a BATCHED dataset, which cannot be Poisson-resampled. Its steps are "
             "accounted as full Gaussian mechanisms without sampling amplification (much larger ε), and each "

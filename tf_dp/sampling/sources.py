@@ -37,6 +37,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.sampling.dataset_graph import duplicating_idioms, grain_duplicating_idioms, is_grain_dataset
+
 MARKER = "tf_dp source error"
 
 
@@ -250,6 +252,7 @@ class RecordSource(ExampleSource):
             raise TypeError(f"A source needs `__len__` and `__getitem__`, got {type(source).__name__}.")
         if transform is not None and not callable(transform):
             raise TypeError(f"`transform` must be callable, got {transform!r}.")
+        refuse_duplicating_source(source)
         self.source, self.transform = source, transform
         # Threads inside one read: decoders and I/O release the GIL. On 2 shared cores 1, 2 and 4
         # threads were within noise (tf.data already overlaps reads of successive steps).
@@ -374,6 +377,19 @@ class RecordSource(ExampleSource):
         return tf.nest.pack_sequence_as(x_spec, x_leaves), tf.nest.pack_sequence_as(y_spec, y_leaves)
 
 
+def refuse_duplicating_source(source) -> None:
+    """Raises ValueError if a grain MapDataset repeats records (a repeat, a concatenate/mix
+    of the same source, more elements than distinct records): len(source) would count one
+    person several times in N. Other collections are taken at their word: record i must
+    be a different example for every i."""
+    idioms = grain_duplicating_idioms(source) if is_grain_dataset(source) else []
+    if idioms:
+        raise ValueError(
+            f"This source repeats its records ({'; '.join(idioms)}): each copy would count as an example, so N and "
+            "the sampling rate q would be wrong and one person would be sampled as several. Pass the source without "
+            ".repeat() or self-concatenation, each record once; fit's `epochs` repeats the data.")
+
+
 def _conform(value, spec: tf.TensorSpec) -> np.ndarray:
     array = np.asarray(value)
     if tuple(array.shape) != tuple(spec.shape):
@@ -388,6 +404,18 @@ def _conform(value, spec: tf.TensorSpec) -> np.ndarray:
             raise TypeError("dtype")
         array = array.astype(want)
     return array
+
+
+PARSE_PROBE = 8  # records SerializedSource's per-example check parses together and one by one
+
+
+def _same_row(alone: np.ndarray, together: np.ndarray) -> bool:
+    """Equal up to float rounding (a batched kernel may sum in another order); all else exactly."""
+    if alone.shape != together.shape:
+        return False
+    if alone.dtype.kind == "f":
+        return bool(np.allclose(alone, together, rtol=1e-5, atol=1e-6, equal_nan=True))
+    return bool(np.array_equal(alone, together))
 
 
 class SerializedSource(ExampleSource):
@@ -436,6 +464,34 @@ class SerializedSource(ExampleSource):
         except (tf.errors.OpError, ValueError) as error:
             raise SourceError(f"parse failed on the records of examples starting at {first_index} "
                               f"({type(error).__name__}: {error}); expected {describe(self.spec)}") from error
+
+    def head(self, count: int):
+        """The first examples (what fit's guard and build read), after checking on the first
+        ``PARSE_PROBE`` records that ``parse`` treats each record on its own."""
+        self.check_parse_per_example(min(count, PARSE_PROBE))
+        return super().head(count)
+
+    def check_parse_per_example(self, count: int = PARSE_PROBE) -> None:
+        """Raises ValueError unless parse(records) equals the stack of parse([record]) over the
+        first ``count`` records. A parse that computes across the batch (standardizing by the
+        batch's mean and spread, say) lets one record move every row: the row guard sees only
+        parsed rows, and the clipped gradients of the others carry that record too."""
+        rows = np.arange(min(count, len(self)))
+        if len(rows) < 2:
+            return
+        serialized = tf.constant(self._serialized(rows), tf.string)
+        together = tf.nest.flatten(self._parse(serialized, 0))
+        for i in rows:
+            alone = tf.nest.flatten(self._parse(serialized[i:i + 1], int(i)))
+            if not all(_same_row(np.asarray(a)[0], np.asarray(t)[i]) for a, t in zip(alone, together)):
+                name = getattr(self.parse, "__qualname__", repr(self.parse))
+                raise ValueError(
+                    f"The parse function `{name}` of this SerializedSource does not treat each record on its own: "
+                    f"parsing records 0..{len(rows) - 1} together gives another example {int(i)} than parsing record "
+                    f"{int(i)} alone. It computes across the batch (e.g. standardizes by the batch's mean or spread), "
+                    "so one person's record would move every example of the batch (sensitivity above C). Make parse "
+                    "per example (normalize with fixed constants, not batch statistics), or map it over single "
+                    "records (tf.map_fn); randomness belongs in fit(augment=...).")
 
     def read_examples(self, rows):
         rows = np.asarray(rows, np.int64)
@@ -666,11 +722,13 @@ def dataset_source(dataset: tf.data.Dataset) -> ExampleSource:
     spec = dataset.element_spec
     if not isinstance(spec, tuple) or len(spec) != 2:
         raise ValueError("A dataset given to DP fit must yield (x, y) pairs of single examples.")
-    if _repeats(dataset):
+    idioms = duplicating_idioms(dataset, batched=False)
+    if idioms:
         raise ValueError(
-            "This tf.data.Dataset repeats its examples (a repeat() in its pipeline): every copy would count as an "
-            "example, so N and the sampling rate q would be wrong and one person would appear several times. Pass "
-            "the dataset without repeat(); fit's `epochs` repeats the data.")
+            f"This tf.data.Dataset repeats its examples ({'; '.join(idioms)} in its pipeline): every copy would "
+            "count as an example, so N and the sampling rate q would be wrong and one person would appear several "
+            "times. Pass the dataset without repeat() or self-concatenation (each example once); fit's `epochs` "
+            "repeats the data.")
     tensors = getattr(dataset, "_tensors", None)
     if type(dataset).__name__ == "_TensorSliceDataset" and tensors is not None:
         flat = [np.asarray(t) for t in tensors]
@@ -684,17 +742,6 @@ def dataset_source(dataset: tf.data.Dataset) -> ExampleSource:
         except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError, NotImplementedError):
             pass
     return materialized_source(dataset)
-
-
-def _repeats(dataset: tf.data.Dataset) -> bool:
-    """True if the dataset's serialized graph holds a RepeatDataset (False if unreadable)."""
-    try:
-        graph = tf.compat.v1.GraphDef()
-        graph.ParseFromString(dataset._as_serialized_graph().numpy())
-    except Exception:  # noqa: BLE001 — an unreadable graph is no fact
-        return False
-    functions = [node for function in graph.library.function for node in function.node_def]
-    return any(node.op.startswith("RepeatDataset") for node in list(graph.node) + functions)
 
 
 def materialized_source(dataset: tf.data.Dataset) -> ArraySource:
