@@ -12,12 +12,14 @@ from typing import Optional
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common import global_state
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 
 from tf_dp import _checks
 from tf_dp.accounting import ACCOUNTANTS, PrivacyLedger
 from tf_dp.accounting.budget import StepLimit
+from tf_dp.accounting.callbacks import PrivacyBudget
 from tf_dp.clipping import ENGINES
 from tf_dp.models.fitting import DPFitting
 from tf_dp.models.losses import per_example_loss
@@ -50,10 +52,76 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
         self._dp = {"delta": DEFAULT_DELTA, "accountant": "rdp", "target_epsilon": None, "engine": "ghost",
                     "private_logs": False}
         self._dp_loss = None
+        self._adopt_layers_ledger()
+
+    # ------------------------------------------------- the ledger of the weights
+    def _adopt_layers_ledger(self):
+        """ε belongs to the weights, not to the model object: a DP model over layers that
+        another DP model has trained (a new DPModel over them, ``make_private`` twice)
+        continues that model's ledger — its record and its noise counter — instead of
+        starting at step 0. Called at construction and at ``compile``."""
+        others = _ledgers_of_layers(self, exclude=self.privacy_ledger)
+        if len(others) > 1 or (others and int(self.privacy_ledger.steps.numpy()) > 0):
+            raise ValueError(
+                f"The layers of {self.name} were trained under {len(others) + 1} different privacy ledgers (of "
+                "different DP models); tf_dp cannot compose them into one ε (the models may have seen the same "
+                "data). Build the model from layers trained by one DP model (or by none).")
+        if others:
+            self.privacy_ledger = others[0]
+        _attach_ledger(self)
+
+    def continue_ledger_of(self, other) -> None:
+        """Carries ``other``'s privacy record to this model, where tf_dp cannot see that the
+        weights came from it: ``keras.models.clone_model`` + ``set_weights``, or weights
+        copied by value in any other way. Both models then share one ledger (ε and noise
+        counter), so further training of either is composed with all steps of both.
+
+        Args:
+          other: the DP model whose weights this model holds (or its ``privacy_ledger``).
+        """
+        ledger = getattr(other, "privacy_ledger", other)
+        if not isinstance(ledger, PrivacyLedger):
+            raise TypeError(f"`other` must be a DP model or a PrivacyLedger, got {type(other).__name__}.")
+        if ledger is self.privacy_ledger:
+            return
+        if int(self.privacy_ledger.steps.numpy()) > 0:
+            raise ValueError(f"{self.name} has taken DP steps under its own ledger: continue_ledger_of must be "
+                             "called before its first step (right after copying the weights).")
+        self.privacy_ledger = ledger
+        _attach_ledger(self)
+        self.train_function = None  # a traced step would still count into the old ledger
 
     @property
     def nonfinite_examples(self) -> tf.Variable:
         return self._untracked.nonfinite_examples
+
+    # ---------------------------------------------------------------- saving
+    def fit(self, *args, **kwargs):
+        """DPFitting.fit, after refusing checkpoints that would drop the privacy ledger
+        (before any step is taken, so no budget is spent on a run that cannot be saved)."""
+        _refuse_legacy_h5_callbacks(kwargs.get("callbacks", args[5] if len(args) > 5 else None))
+        return super().fit(*args, **kwargs)
+
+    def save(self, filepath, *args, **kwargs):
+        """Keras ``save`` to ``.keras`` (which carries the privacy ledger); ``.h5`` is refused."""
+        if _is_legacy_h5(filepath, kwargs):
+            raise ValueError(_legacy_h5_message(f"{type(self).__name__}.save({str(filepath)!r})"))
+        return super().save(filepath, *args, **kwargs)
+
+    def get_config(self):
+        if _in_legacy_h5_scope():  # keras.saving.save_model(model, "x.h5"), which bypasses save()
+            raise ValueError(_legacy_h5_message(f"saving {self.name} to .h5"))
+        return super().get_config()
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        if _in_legacy_h5_scope():
+            raise ValueError(
+                f"This .h5 file holds a tf_dp {cls.__name__} saved without its privacy ledger (the .h5 format "
+                "cannot carry it; tf_dp no longer writes DP models to .h5), so the ε of its weights cannot be "
+                "checked: tf_dp does not load it as a DP model. Fix: save DP models as .keras (model.save("
+                "'model.keras'), ModelCheckpoint('best_model.keras')), which carries the ledger.")
+        return super().from_config(config, custom_objects=custom_objects)
 
     # ---------------------------------------------------------------- compile
     def compile(
@@ -109,6 +177,7 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
             "private_logs": _checks.boolean("private_logs", private_logs),
         }
         self._dp_loss = per_example_loss(loss, kwargs.get("loss_weights"), _output_names(self))
+        self._adopt_layers_ledger()  # a subclassed model's layers exist by now
         if jit_compile == "auto":
             jit_compile = _accelerator_present() and not optimizer.secure_mode
         if jit_compile and optimizer.secure_mode:
@@ -118,6 +187,24 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
         # Poisson chunks is such a weight, so every metric is made a weighted one.
         weighted = list(tf.nest.flatten(metrics or [])) + list(tf.nest.flatten(kwargs.pop("weighted_metrics", None) or []))
         super().compile(optimizer=optimizer, loss=loss, weighted_metrics=weighted or None, jit_compile=jit_compile, **kwargs)
+
+
+_LAYER_LEDGERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> the ledger that trains it
+
+
+def _ledgers_of_layers(model, exclude) -> list:
+    """The distinct ledgers, other than ``exclude``, attached to the model's layers."""
+    found = [_LAYER_LEDGERS.get(layer) for layer in model._flatten_layers(include_self=False)]
+    unique = {id(ledger): ledger for ledger in found if ledger is not None and ledger is not exclude}
+    return list(unique.values())
+
+
+def _attach_ledger(model) -> None:
+    """Attaches the model's ledger to the layers its DP steps train (those with trainable
+    weights, or not built yet): a later DP model over them continues it."""
+    for layer in model._flatten_layers(include_self=False):
+        if layer.trainable_weights or not layer.built:
+            _LAYER_LEDGERS[layer] = model.privacy_ledger
 
 
 def _output_names(model):
@@ -135,6 +222,49 @@ class _Untracked:
         self.__dict__.update(values)
 
 
+_LEGACY_H5 = (".h5", ".hdf5")
+
+
+def _is_legacy_h5(filepath, kwargs: dict) -> bool:
+    """Keras' legacy HDF5 format (``.h5``/``.hdf5`` or save_format="h5"); ``.weights.h5`` is not it."""
+    return str(filepath).endswith(_LEGACY_H5) or kwargs.get("save_format") in ("h5", "hdf5")
+
+
+def _in_legacy_h5_scope() -> bool:
+    """Keras' legacy HDF5 saver/loader is running (it serializes under ``use_legacy_config``)."""
+    return bool(global_state.get_global_attribute("use_legacy_config", False))
+
+
+def _legacy_h5_message(what: str) -> str:
+    return (f"{what}: the legacy .h5 format cannot carry the privacy ledger (the record of every DP step, "
+            "from which ε is computed and which keeps the noise counter from repeating), and a released model "
+            "without it is one whose ε nobody can check. Fix: save as .keras — model.save('model.keras'), "
+            "keras.callbacks.ModelCheckpoint('best_model.keras') — which carries the ledger "
+            "(or save_weights('model.weights.h5'), which does too).")
+
+
+def _refuse_legacy_h5_callbacks(callbacks) -> None:
+    """Refuses ModelCheckpoint / PrivacyBudget callbacks that would save the model to .h5."""
+    for callback in callbacks or []:
+        if isinstance(callback, keras.callbacks.ModelCheckpoint) and not callback.save_weights_only:
+            path = callback.filepath
+        elif isinstance(callback, PrivacyBudget):
+            path = getattr(callback, "save_path", None)
+        else:
+            continue
+        if path is not None and _is_legacy_h5(path, {}):
+            raise ValueError(_legacy_h5_message(f"{type(callback).__name__}({str(path)!r})"))
+
+
+def _named_for_legacy_h5(cls: type) -> type:
+    """Also registers ``cls`` under its bare class name, the name a legacy .h5 file gives
+    it: ``keras.models.load_model`` then reaches ``from_config``, which refuses the file
+    with the fix, instead of failing with "Unknown layer"."""
+    keras.saving.get_custom_objects().setdefault(cls.__name__, cls)
+    return cls
+
+
+@_named_for_legacy_h5
 @keras.saving.register_keras_serializable(package="tf_dp")
 class DPModel(DPModelMixin, keras.Model):
     """A Keras Model trained with DP-SGD. Functional (``DPModel(inputs, outputs)``) or
@@ -161,13 +291,14 @@ def functional_variant(cls: type, name: Optional[str] = None) -> type:
     if cls not in _FUNCTIONAL_VARIANTS:
         variant = type(name or f"{cls.__name__}Functional", (cls, Functional), {"__module__": cls.__module__,
                        "__doc__": f"What ``{cls.__name__}(inputs, outputs)`` builds."})
-        _FUNCTIONAL_VARIANTS[cls] = keras.saving.register_keras_serializable(package="tf_dp")(variant)
+        _FUNCTIONAL_VARIANTS[cls] = _named_for_legacy_h5(keras.saving.register_keras_serializable(package="tf_dp")(variant))
     return _FUNCTIONAL_VARIANTS[cls]
 
 
 DPFunctional = functional_variant(DPModel, "DPFunctional")
 
 
+@_named_for_legacy_h5
 @keras.saving.register_keras_serializable(package="tf_dp")
 class DPSequential(DPModelMixin, keras.Sequential):
     """A ``keras.Sequential`` trained with DP-SGD."""
@@ -177,30 +308,36 @@ class DPSequential(DPModelMixin, keras.Sequential):
         self._init_privacy()
 
 
+def _private_sequential(model: keras.Sequential) -> "DPSequential":
+    """A DPSequential over the same layer objects (so the same weights), the model's Input
+    included: built like ``model`` if it is built, else built on its first call or ``fit``,
+    as Keras builds a Sequential without an Input."""
+    for method in ("call", "train_step"):
+        if getattr(type(model), method) is not getattr(keras.Sequential, method):
+            raise TypeError(
+                f"make_private cannot carry the `{method}` that {type(model).__name__} ({model.name}) overrides: "
+                f"the private model would run keras.Sequential's instead. Fix: subclass tf_dp.DPSequential "
+                f"instead of keras.Sequential (or pass a plain keras.Sequential).")
+    return DPSequential(list(model._layers), trainable=model.trainable, name=f"{model.name}_private")
+
+
 def make_private(model: keras.Model) -> DPModel:
-    """A DPModel over the same layers (and so the same weights) as a functional or
-    Sequential Keras model."""
+    """A DP model over the same layers (and so the same weights) as a functional or
+    Sequential Keras model: a DPModel for a functional model, a DPSequential for a
+    Sequential (built or not)."""
     if isinstance(model, DPModelMixin):
         return model
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if isinstance(model, keras.Sequential):
+        return _private_sequential(model)
     inputs = getattr(model, "inputs", None)
     if not isinstance(model, Functional) or not inputs:
         raise TypeError(
-            f"make_private needs a functional or Sequential model with known inputs; {model.name} is a "
-            "subclassed or unbuilt model. Subclass tf_dp.DPModel instead of keras.Model, or build the "
-            "Sequential with a keras.Input first."
+            f"make_private needs a functional or Sequential model; {model.name} is a subclassed model (or a "
+            "functional one without inputs). Fix: subclass tf_dp.DPModel instead of keras.Model."
         )
-    private = DPModel(model.inputs if len(model.inputs) > 1 else model.inputs[0],
-                      model.outputs if len(model.outputs) > 1 else model.outputs[0], name=f"{model.name}_private")
     # The ledger belongs to the weights: a second make_private of the same model continues
     # its record (and its noise counter) instead of starting a fresh one at step 0.
-    ledger = _SHARED_LEDGERS.get(model)
-    if ledger is None:
-        _SHARED_LEDGERS[model] = private.privacy_ledger
-    else:
-        private.privacy_ledger = ledger
-    return private
-
-
-_SHARED_LEDGERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    return DPModel(model.inputs if len(model.inputs) > 1 else model.inputs[0],
+                   model.outputs if len(model.outputs) > 1 else model.outputs[0], name=f"{model.name}_private")

@@ -68,7 +68,12 @@ class DPFitting:
 
         An epoch is ⌈N/L⌉ steps. Batched datasets cannot be resampled: they are trained
         as given, averaged over the declared ``batch_size`` (default: the dataset's static
-        batch size) and accounted WITHOUT sampling amplification, with a warning.
+        batch size) and accounted WITHOUT sampling amplification, with a warning. A batched
+        dataset must present each example at most once per batch: a repeat, a concatenation
+        with itself, an interleave of a captured dataset upstream of ``.batch()`` is refused
+        (each copy would be clipped separately); ``ds.batch(L).repeat()`` is fine. A source's
+        record i must be example i: records that are batches of the model's input are
+        refused, and the model must be built (or have an ``Input``) for its shape to tell.
         ``sampling_seed`` makes the batches reproducible; like the noise seed it is a secret
         (amplification by sampling assumes the batches are unknown) and is never saved.
 
@@ -80,6 +85,7 @@ class DPFitting:
         example, so the sensitivity stays C and ε is unchanged; compute grows with K.
         """
         self._require_dp_compiled()
+        y = without_unused_targets(self._dp_loss, y)  # y=[y0, None] for loss=[fn, None], as Keras
         if kwargs.get("shuffle") not in (None, True):
             raise ValueError("`shuffle` is not supported by DP fit (Poisson sampling replaces it).")
         sample_weight, class_weight = kwargs.pop("sample_weight", None), kwargs.pop("class_weight", None)
@@ -111,8 +117,8 @@ class DPFitting:
                 else:
                     validation_data = (*validation_data, tail_weights)
         num_examples = len(source)
-        self._set_example_weights(sample_weight, class_weight, num_examples)
         refuse_batched_records(source, self, augment)
+        self._set_example_weights(sample_weight, class_weight, num_examples)
         x, y = source.head(GUARD_ROWS + DONOR_SEARCH)  # what the guard and the build read: never all of the data
         if augment is not None:
             x = augment_examples(augment, x)
@@ -175,8 +181,8 @@ class DPFitting:
 
     def _fit_fixed_batches(self, dataset, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
                            steps_per_epoch, **kwargs):
-        declared = declared_batch_size(dataset, batch_size)
         refuse_duplicating_batches(dataset)
+        declared = declared_batch_size(dataset, batch_size)
         warnings.warn(
             "tf_dp: fit() received a BATCHED dataset, which cannot be Poisson-resampled. Its steps are "
             "accounted as full Gaussian mechanisms without sampling amplification (much larger ε), and each "
@@ -200,6 +206,7 @@ class DPFitting:
         omitted, the first batch's static size is taken as that constant, with a warning
         (it must not depend on the data) — never each later batch's own size."""
         self._require_dp_compiled()
+        y = without_unused_targets(self._dp_loss, y)
         self._set_example_weights(sample_weight, class_weight, where="batch")
         if self.distribute_strategy.num_replicas_in_sync > 1:
             # Keras hands every replica the whole explicit batch: each example would be
@@ -215,7 +222,7 @@ class DPFitting:
         if not self.built:
             self._prebuild(x, y)
         self._build_optimizer()
-        self.optimizer.guard_noise_counter(int(self.privacy_ledger.steps.numpy()))
+        self.optimizer.guard_noise_counter(int(self.privacy_ledger.steps.numpy()), self.privacy_ledger)
         logs = super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
         self.optimizer.record_noise_counter(int(self.privacy_ledger.steps.numpy()))
         return logs

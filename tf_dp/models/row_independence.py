@@ -33,6 +33,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.models.losses import without_unused_targets
+
 GUARD_ROWS = 3
 DONOR_SEARCH = 64  # examples searched for one that differs from the row it replaces
 RANDOM_DRAWS = 4
@@ -49,6 +51,7 @@ def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=Non
         return
     if isinstance(x, tf.data.Dataset):
         x, y = _first_batch(x)
+        y = without_unused_targets(per_example_loss, y)  # (y0, None) for loss=[fn, None]
     x, y = _as_numpy(x), None if y is None else _as_numpy(y)
     count = _num_rows(x)
     if count < 2:

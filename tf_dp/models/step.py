@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.models.data import is_poisson_batch
-from tf_dp.models.losses import WeightedTargets, unpack_targets
+from tf_dp.models.losses import WeightedTargets, unpack_targets, without_unused_targets
 from tf_dp.optimizers import DPOptimizer
 
 
@@ -80,6 +80,7 @@ class DPTrainStep:
             y = self._weighted_targets(data["y"], poisson_sample_weight(data, getattr(self, "_fit_sample_weight", None)))
             return data["x"], y, data["mask"], data["expected_batch_size"][0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y = without_unused_targets(self._dp_loss, y)
         if y is None:
             raise ValueError("DP training needs targets `y` to compute each example's loss.")
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
