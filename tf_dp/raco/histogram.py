@@ -31,6 +31,13 @@ def check_probabilities(probabilities: tf.Tensor) -> list:
     ]
 
 
+def _finite_rows(probabilities: tf.Tensor, finite: tf.Tensor) -> tf.Tensor:
+    """The rows where ``finite``; the uniform distribution elsewhere (a placeholder that the
+    probability checks accept and that is then given weight 0)."""
+    uniform = tf.ones_like(probabilities) / tf.cast(tf.shape(probabilities)[-1], probabilities.dtype)
+    return tf.where(finite[:, None], probabilities, uniform)
+
+
 @keras.saving.register_keras_serializable(package="tf_dp")
 class NoisyHistogram(keras.layers.Layer):
     """Per-(partition, class) histogram of probability outputs, with Laplace(scale) noise
@@ -50,7 +57,14 @@ class NoisyHistogram(keras.layers.Layer):
         self.temperature = _checks.positive("temperature", temperature)
 
     def counts(self, probabilities, partition_ids, mask=None) -> tf.Tensor:
-        """H without noise: Σ_i mask_i · p̃(x_i) into row partition_i."""
+        """H without noise: Σ_i mask_i · p̃(x_i) into row partition_i.
+
+        A row whose outputs are not finite (an example with a NaN/Inf feature) adds nothing,
+        as DP-SGD gives an example with a non-finite gradient clip factor 0: the histogram of
+        a batch with that row is the histogram of the batch without it, and training goes on
+        (a crash at the first step that samples the row would tell when it was sampled)."""
+        finite = tf.reduce_all(tf.math.is_finite(probabilities), axis=-1)
+        probabilities = _finite_rows(probabilities, finite)
         checks = check_probabilities(probabilities)
         checks += [
             tf.debugging.assert_non_negative(partition_ids, message="partition ids must be >= 0"),
@@ -58,7 +72,7 @@ class NoisyHistogram(keras.layers.Layer):
                                      message=f"partition ids must be < num_partitions={self.num_partitions}"),
         ]
         with tf.control_dependencies(checks):
-            weights = tempered(probabilities, self.temperature)
+            weights = tempered(probabilities, self.temperature) * tf.cast(finite, probabilities.dtype)[:, None]
             if mask is not None:
                 weights = weights * tf.cast(mask, weights.dtype)[:, None]
             return tf.math.unsorted_segment_sum(weights, partition_ids, self.num_partitions)
