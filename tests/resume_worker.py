@@ -17,8 +17,9 @@ x = rng.normal(size=(400, 6)).astype("float32")
 y = (x[:, 0] > 0).astype("int32")
 inputs = keras.Input((6,))
 model = tf_dp.DPModel(inputs, keras.layers.Dense(2)(inputs))
-model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.2, seed=0),
+model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.2),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.optimizer.set_seed(0, allow_resume=True)  # the resumed process continues the seeded run: a lab run's opt-in
 
 
 class Progress(keras.callbacks.Callback):

@@ -15,7 +15,8 @@ class PrivacyReport(keras.callbacks.Callback):
     Before the first step it re-records the running phase in the ledger, so that a ledger
     restored by a later callback's ``on_train_begin`` (BackupAndRestore) is extended, not
     overwritten, and re-keys the noise if the restored ledger is behind steps this key has
-    already drawn noise for (no two released steps may share a draw)."""
+    already drawn noise for (no two released steps may share a draw); a seeded key on a
+    resumed ledger is refused there, before any noise is drawn."""
 
     def on_train_begin(self, logs=None):
         self._first_batch = True
@@ -29,8 +30,9 @@ class PrivacyReport(keras.callbacks.Callback):
         if self._first_batch:  # after every on_train_begin (a restored ledger)
             self._first_batch = False
             self.model.reopen_phase()
-            self._first_step = int(self.model.privacy_ledger.steps.numpy())
-            self.model.optimizer.guard_noise_counter(self._first_step)
+            ledger = self.model.privacy_ledger
+            self._first_step = int(ledger.steps.numpy())
+            self.model.optimizer.guard_noise_counter(self._first_step, ledger)
 
     def on_train_batch_end(self, batch, logs=None):
         # An upper bound on the steps that drew noise, counted without reading the ledger.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import re
+import secrets
 from typing import Callable, Optional
 
 import numpy as np
@@ -292,10 +292,16 @@ def distributed_poisson_dataset(strategy: tf.distribute.Strategy, x, y, num_exam
 
 
 def agreed_sampling_seed(strategy: tf.distribute.Strategy, seed: Optional[int]) -> int:
-    """The batch-selection seed every worker uses: ``seed``, or the sum of one OS draw per
-    replica (an all-reduce, so all workers hold the same value)."""
+    """The batch-selection seed every worker uses: ``seed``, or 63 bits from the OS CSPRNG
+    drawn on the host of replica 0 and broadcast (an all-reduce SUM in which every other
+    replica contributes 0), so all workers hold the same full-entropy value."""
     if seed is not None:
         return int(seed)
-    draw = int.from_bytes(os.urandom(4), "little") >> 1
-    per_replica = strategy.run(lambda: tf.constant(draw, tf.int64))
+    draw = secrets.randbits(63)
+
+    def replica_share():
+        first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
+        return tf.where(first, tf.constant(draw, tf.int64), tf.constant(0, tf.int64))
+
+    per_replica = strategy.run(replica_share)
     return int(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None))

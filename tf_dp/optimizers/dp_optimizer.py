@@ -16,6 +16,7 @@ explicit batch. Calling ``apply``/``apply_gradients`` directly — what a plain
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional, Sequence
 
 import keras
@@ -48,7 +49,8 @@ class DPOptimizer:
       seed: key of the noise stream (reproducible). ``None`` draws a fresh one from the OS.
         The key is a secret kept in memory only: it is never written into a saved model,
         weights file, checkpoint or ``get_config`` (whoever held it could subtract the
-        noise). Pass the same seed again to resume a reproducible run.
+        noise). A seed keys only a model whose ledger has taken no DP step: a resumed
+        model trains with ``seed=None`` (see ``set_seed``).
       secure_mode: draw a fresh key from the OS CSPRNG at every step (and Poisson batches
         from OS entropy): the production setting; no seed, no XLA.
     """
@@ -66,7 +68,7 @@ class DPOptimizer:
         self.secure_mode = secure_mode
         self._user_seed = None if seed is None else int(seed)
         self._noise_key = NoiseKey(self._user_seed)
-        self._key_generation, self._fresh_from_step = 0, 0
+        self._start_key(resume_allowed=False)
         with keras.name_scope(self.name, caller=self):
             self._l2_norm_clip = self._dp_variable("l2_norm_clip", l2_norm_clip, "float32")
             self._noise_multiplier = self._dp_variable(
@@ -121,24 +123,93 @@ class DPOptimizer:
 
     @seed.setter
     def seed(self, value: Optional[int]):
-        """Re-keys the noise: pass a run's seed again after loading its model (seeds are
-        never saved), or None for a fresh key from the OS."""
-        self._check_seed(value, self.secure_mode)
-        self._user_seed = None if value is None else int(value)
-        self._key_generation = 0
-        self._noise_key.rekey(self._user_seed)
-        self._fresh_from_step = 0
+        """Re-keys the noise: None for a fresh key from the OS; a seed only before the
+        model's first DP step (``set_seed``)."""
+        self.set_seed(value)
 
-    def guard_noise_counter(self, dp_step: int) -> None:
-        """Called before DP steps start at the ledger's count ``dp_step``: if this key has
-        already drawn noise at that count (the ledger was rolled back — load_weights of an
-        older file, BackupAndRestore, a restored checkpoint), re-key, so that no two
-        released steps ever share a noise draw. Without a seed the new key is fresh OS
-        entropy; with a seed it is a hash of (seed, generation), reproducible run to run."""
+    def __setattr__(self, name, value):
+        if name == "seed":  # Keras skips assigning the value an attribute already holds: always re-key
+            self.set_seed(value)
+            return
+        super().__setattr__(name, value)
+
+    def set_seed(self, seed: Optional[int], allow_resume: bool = False) -> None:
+        """Re-keys the noise from ``seed`` (None: a fresh secret key from the OS).
+
+        A seeded key may start drawing only on a model whose ledger has taken NO DP step
+        (then it continues across ``fit`` calls in this process). On a resumed model (a
+        loaded ``.keras``, ``load_weights``, a trained model given a new optimizer) it
+        would redraw the noise of steps a copy of the same file may already have released,
+        and two such releases cancel their noise: the first step refuses. Resume with
+        ``seed=None`` (fully private; reproducible in every other respect).
+
+        Args:
+          seed: the secret key, or None.
+          allow_resume: lets the seed key a resumed model, for lab runs whose results are
+            never released: it VOIDS the DP guarantee as soon as one file is resumed twice
+            with this seed (warned).
+        """
+        self._check_seed(seed, self.secure_mode)
+        if not isinstance(allow_resume, bool):
+            raise TypeError(f"`allow_resume` must be a bool, got {allow_resume!r}.")
+        if allow_resume and seed is None:
+            raise ValueError("`allow_resume=True` applies to a seed; seed=None (a fresh OS key) resumes soundly "
+                             "without it.")
+        if allow_resume:
+            warnings.warn(
+                f"tf_dp: set_seed({seed}, allow_resume=True) lets this seed key a resumed model. Resuming one file "
+                "twice with it draws the same noise at the same steps, and the two releases cancel it: this VOIDS "
+                "the DP guarantee. Use it only for runs whose results are never released.", UserWarning, stacklevel=2)
+        self._user_seed = None if seed is None else int(seed)
+        self._noise_key.rekey(self._user_seed)
+        self._start_key(resume_allowed=allow_resume)
+
+    def _start_key(self, resume_allowed: bool) -> None:
+        """A new key that has drawn nothing yet, for no model yet."""
+        self._resume_allowed = resume_allowed
+        self._key_generation, self._fresh_from_step = 0, 0
+        self._noise_ledger = lambda: None  # a weak reference to the ledger this key draws for
+        self._seeded_from_zero = False  # this key's seed has drawn on that ledger since its step 0
+
+    def guard_noise_counter(self, dp_step: int, ledger) -> None:
+        """Called before DP steps start at ``ledger``'s count ``dp_step``; refuses or re-keys
+        so that no (key, step) pair ever draws noise twice.
+
+        * Another model's ledger: a key that has drawn noise is replaced (next generation).
+        * Rolled back (``dp_step`` behind steps this key has drawn: load_weights of an older
+          file, BackupAndRestore, a restored checkpoint): re-key. Without a seed the new key
+          is fresh OS entropy; with one, a hash of (seed, generation), reproducible.
+        * A seed on a ledger that has taken steps this key has not drawn (a resume) raises,
+          unless ``set_seed(..., allow_resume=True)``.
+        """
+        if self._noise_ledger() is not ledger:
+            if self._fresh_from_step or self._seeded_from_zero:
+                self._rekey_next_generation()
+            self._noise_ledger, self._fresh_from_step, self._seeded_from_zero = weakref.ref(ledger), 0, False
         if dp_step < self._fresh_from_step:
-            self._key_generation += 1
-            self._noise_key.rekey(self._user_seed, self._key_generation)
-            self._fresh_from_step = 0
+            self._rekey_next_generation()
+            self._fresh_from_step = dp_step
+        elif self._user_seed is not None and not self._resume_allowed:
+            self._refuse_seeded_resume(dp_step)
+        if dp_step == 0:
+            self._seeded_from_zero = self._user_seed is not None
+
+    def _rekey_next_generation(self) -> None:
+        self._key_generation += 1
+        self._noise_key.rekey(self._user_seed, self._key_generation)
+
+    def _refuse_seeded_resume(self, dp_step: int) -> None:
+        """A seed may continue only where it left off on a ledger it has keyed since step 0."""
+        if dp_step == 0 or (self._seeded_from_zero and dp_step == self._fresh_from_step):
+            return
+        raise ValueError(
+            f"{self.name}: seed={self._user_seed} would key noise on a model whose privacy ledger has already "
+            f"taken {dp_step} DP steps this key did not draw (a loaded .keras, load_weights, a model trained in "
+            "another process, or a new optimizer or seed on a trained model). A seeded resume redraws the noise "
+            "of steps that a copy of the same file may already have released, and two such releases cancel their "
+            "noise. Resume with `optimizer.seed = None` (a fresh secret key from the OS, the default: fully "
+            "private, reproducible in every other respect); for a lab run whose results are never released, "
+            "`optimizer.set_seed(seed, allow_resume=True)` (voids the guarantee if a file is resumed twice).")
 
     def record_noise_counter(self, dp_step: int) -> None:
         """Steps below ``dp_step`` have drawn noise with the current key."""
