@@ -168,18 +168,20 @@ def test_mixed_batched_and_batch_free_arguments_take_the_exact_route():
         def call(self, h, table):
             return tf.matmul(tf.matmul(h, self.w), table, transpose_b=True)
 
+    class Head(keras.layers.Layer):
+        def __init__(self, table, **kwargs):
+            super().__init__(**kwargs)
+            self.table, self.bilinear = table, Bilinear()
+
+        def call(self, h):
+            return self.bilinear(h, keras.ops.convert_to_tensor(self.table))
+
     keras.utils.set_random_seed(0)
-    table = np.random.default_rng(8).normal(size=(6, 5)).astype("float32")
     inputs = keras.Input((WIDTH,))
     h = keras.layers.Dense(WIDTH, activation="tanh")(inputs)
-    bilinear = Bilinear()
-
-    class Head(keras.layers.Layer):
-        def call(self, h):
-            return bilinear(h, keras.ops.convert_to_tensor(table))
-
-    model = keras.Model(inputs, Head()(h))
+    model = keras.Model(inputs, Head(np.random.default_rng(8).normal(size=(6, 5)).astype("float32"))(h))
     x, y = dense_data(6, (WIDTH,), 6)
     expected = flat_norms(loop_per_example_gradients(model, tf.constant(x), tf.constant(y)))
-    total, _ = per_example_gradient_norms(model, sparse_ce, x, y, engine="ghost")
+    total, per_layer = per_example_gradient_norms(model, sparse_ce, x, y, engine="ghost")
+    assert len(per_layer) == 2  # the bilinear weight is trained
     np.testing.assert_allclose(total.numpy(), expected, rtol=1e-5)

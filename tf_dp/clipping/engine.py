@@ -128,19 +128,33 @@ def _observation_losses(model, per_example_loss, x, y, points):
 
 
 def traced(function):
-    """``function`` run as a graph when called eagerly: the taps decide which tensors carry
-    the example axis from the traced graph (example_axis.py), which eager tensors lack.
-    Tensor and array arguments become the graph's inputs; the ``ClippedBatch`` is rebuilt."""
-    def run(model, per_example_loss, x, y, mask, l2_norm_clip, *args, **kwargs):
+    """``function(model, loss, x, y, mask, clip, points, **options)`` run as a graph when
+    called eagerly: the taps decide which tensors carry the example axis from the traced
+    graph (example_axis.py), which eager tensors lack. One tf.function per model, loss and
+    static part of the points; tensors (the points' weights included) are its arguments."""
+    def run(model, per_example_loss, x, y, mask, l2_norm_clip, points, **options):
         if not tf.executing_eagerly():
-            return function(model, per_example_loss, x, y, mask, l2_norm_clip, *args, **kwargs)
-
-        def graph(x, y, mask, l2_norm_clip):
-            result = function(model, per_example_loss, x, y, mask, l2_norm_clip, *args, **kwargs)
-            return (result.clipped_sums, result.y_pred, result.losses, result.squared_norms)
-
-        return ClippedBatch(*tf.function(graph, autograph=False)(x, y, mask, l2_norm_clip))
+            return function(model, per_example_loss, x, y, mask, l2_norm_clip, points, **options)
+        layout = tuple((p.coefficient, p.weights is None, p.view) for p in points)
+        key = (per_example_loss, layout, tuple(sorted(options.items())))
+        graphs = model.__dict__.get("_tf_dp_traced_steps")
+        if graphs is None:  # untracked by Keras (not a layer attribute), collected with the model
+            graphs = {}
+            object.__setattr__(model, "_tf_dp_traced_steps", graphs)
+        if key not in graphs:
+            def graph(x, y, mask, l2_norm_clip, weights):
+                at = [EvaluationPoint(p.coefficient, w, p.view) for p, w in zip(points, weights)]
+                result = function(model, per_example_loss, x, y, mask, l2_norm_clip, at, **options)
+                return result.clipped_sums, result.y_pred, result.losses, result.squared_norms
+            graphs[key] = tf.function(graph, autograph=False, reduce_retracing=True)
+        return ClippedBatch(*graphs[key](x, y, mask, l2_norm_clip, [p.weights for p in points]))
     return run
+
+
+def examples_of(tensor):
+    """The leading size of ``tensor``: a Python int where static, else a scalar tensor."""
+    static = tensor.shape[0] if tensor.shape.rank else None
+    return static if static is not None else tf.shape(tensor)[0]
 
 
 def as_graph_inputs(x):
@@ -154,7 +168,7 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_
     # concatenated along its sequence axis, so the cross terms between points (and
     # between repeated calls of a shared layer) enter the per-example norm exactly.
     x = as_graph_inputs(x)
-    tap = LayerTap(_trainable_units(model), use_ghost_rules=use_ghost_rules, batch_size=tf.shape(mask)[0],
+    tap = LayerTap(_trainable_units(model), use_ghost_rules=use_ghost_rules, batch_size=examples_of(mask),
                    batch_inputs=x)
     with tap:
         with tf.GradientTape() as tape:

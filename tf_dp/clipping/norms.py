@@ -16,7 +16,8 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.engine import CURRENT_WEIGHTS, _shared_contributions, _trainable_units, as_graph_inputs, forward
+from tf_dp.clipping.engine import (CURRENT_WEIGHTS, _shared_contributions, _trainable_units, as_graph_inputs, examples_of,
+                                   forward)
 from tf_dp.clipping.layer_per_example import squared_row_norms
 from tf_dp.clipping.per_example import per_example_gradients
 from tf_dp.clipping.registry import unit_variables
@@ -65,7 +66,7 @@ def _ghost_squared_norms(model, loss, x, y, units) -> list:
         return list(zip(layers, values))
     x = as_graph_inputs(x)
     first = tf.nest.flatten(x)[0]
-    tap = LayerTap(units, batch_size=tf.shape(first)[0], batch_inputs=x)
+    tap = LayerTap(units, batch_size=examples_of(first), batch_inputs=x)
 
     def per_example_loss(y_true, y_pred):
         return per_example_losses(loss, y_true, y_pred)

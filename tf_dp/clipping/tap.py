@@ -112,6 +112,7 @@ class LayerTap:
 
         def record(*args, **kwargs):
             kind, batched = self._classify(args, kwargs)
+            self._require_examples_first(layer, args, kwargs, batched)
             use = rule
             if kind != BATCHED or (rule is not self.fallback and not rule.accepts_call(layer, args, kwargs)):
                 self.replayed.add(id(layer))
@@ -147,6 +148,20 @@ class LayerTap:
         if not batched and all(d == Dependence.INDEPENDENT for d in dependence.values()):
             return BATCH_FREE, batched
         return MIXED, batched
+
+    def _require_examples_first(self, layer, args, kwargs, batched):
+        """Refuses a batched argument whose static leading size is not the static batch size
+        (examples folded into another axis, e.g. a [P·T, d] reshape): axis 0 must be the examples."""
+        examples = self.batch_size if isinstance(self.batch_size, int) else None
+        flat = tf.nest.flatten((args, kwargs))
+        for index in batched:
+            leading = flat[index].shape[0] if flat[index].shape.rank else None
+            if examples is not None and leading is not None and leading != examples:
+                raise ValueError(
+                    f"Layer {layer.name!r} is called on a tensor of shape {flat[index].shape} computed from the batch "
+                    f"inputs, whose leading axis is not the batch of {examples} examples. tf_dp clips per example along "
+                    "axis 0: keep the examples on axis 0 of every tensor a trainable layer sees (e.g. reshape "
+                    "[P·T, d] back to [P, T, d] before the layer), or use clipping_engine='vectorized'.")
 
     @contextlib.contextmanager
     def paused(self):
