@@ -48,6 +48,11 @@ DUPLICATING = {
                          "repeat"),
     "sample_from_datasets(same)": (lambda: tf.data.Dataset.sample_from_datasets([rows(), rows()], seed=1).batch(L),
                                    "sample_from_datasets"),
+    "repeat.window.flat_map(batch)": (lambda: rows().repeat().window(2 * N).flat_map(
+        lambda a, b: tf.data.Dataset.zip((a.batch(2 * N), b.batch(2 * N)))), r"repeat\(\)"),
+    "repeat.bucket_by_sequence_length": (lambda: rows().repeat().bucket_by_sequence_length(
+        lambda a, b: tf.constant(1), [5], [2 * N, 2 * N]), r"repeat\(\)"),
+    "batch.repeat.unbatch.batch": (lambda: rows().batch(8).repeat(3).unbatch().batch(2 * N), r"repeat\(3\)"),
     "zip(skip)": (lambda: tf.data.Dataset.zip((rows().map(lambda a, b: a), rows().skip(1).map(lambda a, b: b))).batch(L),
                   "zip"),
 }

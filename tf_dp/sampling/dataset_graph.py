@@ -9,9 +9,12 @@ q = L/N understates theirs. What can be detected is refused; what cannot (two di
 holding the same people) is the caller's promise: each example at most once per batch, once per
 source.
 
-For a batched dataset only what lies UPSTREAM of a batching op can put duplicates into one batch:
+For a batched dataset an op applied to whole batches cannot put duplicates into one batch:
 ``ds.batch(L).repeat()`` keeps each batch duplicate-free (each step a Gaussian mechanism at
-sensitivity C, accounted without amplification) and stays allowed.
+sensitivity C, accounted without amplification) and stays allowed. Any other repeat is refused,
+also where the batching is hidden from the graph (``bucket_by_sequence_length``, a ``window``
+batched inside ``flat_map``), and so is a repeat of pre-batched slices (its soundness cannot
+be told from a graph that shows no batch op).
 """
 
 from __future__ import annotations
@@ -58,19 +61,20 @@ class _Graph:
                 stack.extend(self.inputs(node))
         return list(seen.values())
 
-    def below_batches(self) -> list:
-        """The dataset nodes upstream of a batching op on some path from the output."""
-        batches, seen, stack = [], set(), list(self.outputs)
-        while stack:
-            node = stack.pop()
-            if node.name in seen:
-                continue
-            seen.add(node.name)
-            if _is_batch(node.op):
-                batches.extend(self.inputs(node))
-            else:
-                stack.extend(self.inputs(node))
-        return self.upstream(batches)
+    def on_batches(self, node) -> bool:
+        """Whether every path from ``node``'s inputs to a source meets a batching op before any
+        unbatch: then ``node`` (a repeat, say) handles whole batches, never single examples."""
+        frontier = self.inputs(node)
+        return bool(frontier) and all(self._meets_batch(n) for n in frontier)
+
+    def _meets_batch(self, node) -> bool:
+        op = node.op.lower()
+        if "unbatch" in op:
+            return False
+        if "batch" in op:
+            return True
+        upstream = self.inputs(node)
+        return bool(upstream) and all(self._meets_batch(n) for n in upstream)
 
     def constant(self, node, position: int):
         """The value of ``node``'s input ``position`` if it is a Const, else None."""
@@ -123,16 +127,19 @@ def read_graph(dataset: tf.data.Dataset) -> Optional[_Graph]:
 
 def duplicating_idioms(dataset: tf.data.Dataset, batched: bool) -> list:
     """Descriptions of every idiom in ``dataset`` that can present one example more than
-    once: in one batch (``batched``: the ops upstream of a batching op), or anywhere (an
-    unbatched dataset read as a source of N examples). ``["an unreadable pipeline"]`` when
-    the graph cannot be read."""
+    once: in one batch (``batched``: every op not applied to whole batches), or anywhere
+    (an unbatched dataset read as a source of N examples), and the unreadable graph."""
     graph = read_graph(dataset)
     if graph is None:
         return ["a pipeline whose graph tf.data cannot serialize (so duplicates cannot be ruled out)"]
-    region = graph.below_batches() if batched else graph.upstream(graph.outputs)
+    nodes = graph.upstream(graph.outputs)
+    # In a batched dataset an op on whole batches (ds.batch(L).repeat()) cannot put an example twice into one
+    # batch; any other (upstream of a batch, or of no batch op we can see: bucketing, window + flat_map) may.
+    unbatched = {n.name for n in graph.upstream(u for u in nodes if "unbatch" in u.op.lower())}
+    region = [n for n in nodes if not (batched and graph.on_batches(n) and n.name not in unbatched)]
     found = [_repeat_idiom(graph, node) for node in region if node.op.startswith("RepeatDataset")]
     found += [_shared_source_idiom(graph, node) for node in region if node.op.startswith(_MULTI_INPUT)]
-    zips = [n for n in graph.upstream(graph.outputs) if n.op.startswith("ZipDataset") and n not in region]
+    zips = [n for n in nodes if n.op.startswith("ZipDataset") and n not in region]
     found += [_shared_source_idiom(graph, node) for node in zips]  # misaligned zips mix examples after a batch too
     found += [_captured_dataset_idiom(graph, node) for node in region if node.op.startswith(_FLAT_MAPS)]
     if any(node.op.startswith("RepeatDataset") for node in graph.functions):
