@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keras
+import numpy as np
 
 from tf_dp.accounting.accountant import largest_fitting
 
@@ -52,11 +53,15 @@ class PrivacyReport(keras.callbacks.Callback):
 class PrivacyBudget(keras.callbacks.Callback):
     """Never lets ε exceed ``max_epsilon``.
 
-    The largest total step count that fits the budget at the current σ and sampling rate
-    is handed to the model's ``StepLimit``, which the compiled step checks before it
-    releases anything — so the budget holds whatever ``steps_per_execution``,
-    ``steps_per_epoch`` or ``epochs`` say, and if a callback changes σ, steps are blocked
-    until the limit is recomputed for the new σ. Training stops once the limit is reached.
+    The largest total step count that fits the budget if the current phase continues at
+    the optimizer's σ is handed to the model's ``StepLimit``, which the compiled step
+    checks before it releases anything — so the budget holds whatever
+    ``steps_per_execution``, ``steps_per_epoch`` or ``epochs`` say. The limit is
+    recomputed before and after every batch whenever anything it depends on changed: the
+    ledger's phases (scheme, q, σ, N, L of each, and where each starts — a resume with
+    another batch size, a restored ledger, a phase opened by a σ change) or the optimizer's
+    σ; until then the step refuses a σ the limit was not computed for. Training stops once
+    the limit is reached.
     """
 
     def __init__(self, max_epsilon: float, save_path: str | None = None):
@@ -65,19 +70,18 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.max_epsilon = float(max_epsilon)
         self.save_path = save_path
         self._allowed_steps = None
-        self._limit_sigma = None  # the σ the current limit (or "never binds") was computed for
+        self._limit_inputs = None  # what the current limit (or "never binds") was computed from
 
     def on_train_begin(self, logs=None):
-        self._allowed_steps, self._limit_sigma = None, None
+        self._allowed_steps, self._limit_inputs = None, None
         self._check_budget(raise_if_spent=True)  # a clear error before training if nothing is left
 
     def on_train_batch_begin(self, batch, logs=None):
-        # After every on_train_begin (a restored ledger), and whenever σ has changed.
+        # After every on_train_begin (a restored ledger, a phase re-opened with another q).
         self._check_budget()
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._sigma_changed():
-            self._check_budget()
+        self._check_budget()  # a σ changed by a callback, or a phase the step opened
         if self._allowed_steps is not None and self._steps() >= self._allowed_steps:
             self.model.stop_training = True
 
@@ -90,17 +94,17 @@ class PrivacyBudget(keras.callbacks.Callback):
                   f"training stopped, model saved to {self.save_path}.")
 
     def _check_budget(self, raise_if_spent: bool = False):
-        limit = self.model.step_limit
-        sigma = self.model.optimizer.noise_multiplier
-        if self._limit_sigma is not None and sigma == self._limit_sigma:
-            return  # the limit in the step still holds (one variable read per batch, no ledger read)
+        inputs = _limit_inputs(self.model)
+        if self._limit_inputs is not None and inputs == self._limit_inputs:
+            return  # the limit in the step still holds
+        limit, sigma = self.model.step_limit, self.model.optimizer.noise_multiplier
         self._allowed_steps = _max_total_steps(self.model, self.max_epsilon)
         # "Never binds" is only known once the run's phase is in the ledger (q, N of this fit).
-        self._limit_sigma = sigma if self.model.privacy_ledger.phases() else None
+        self._limit_inputs = inputs if self.model.privacy_ledger.phases() else None
         if self._allowed_steps is None:
             # Never binds at this σ; the step still checks σ, so a σ lowered by a later
             # callback is blocked until the limit is recomputed for it.
-            if self._limit_sigma is None:
+            if self._limit_inputs is None:
                 limit.clear()
             else:
                 limit.set(_UNBOUNDED, sigma)
@@ -108,17 +112,22 @@ class PrivacyBudget(keras.callbacks.Callback):
         limit.set(self._allowed_steps, sigma)
         if self._steps() >= self._allowed_steps:
             self.model.stop_training = True
-        if raise_if_spent and self._steps() >= self._allowed_steps:
-            raise ValueError(
-                f"The privacy budget ε = {self.max_epsilon} is already spent "
-                f"(ε = {self.model.get_epsilon():.4f}); no further step is allowed."
-            )
-
-    def _sigma_changed(self) -> bool:
-        return self._limit_sigma is not None and self.model.optimizer.noise_multiplier != self._limit_sigma
+            if raise_if_spent:
+                raise ValueError(_no_step_fits_message(self.model, self.max_epsilon))
 
     def _steps(self) -> int:
         return int(self.model.privacy_ledger.steps.numpy())
+
+
+def _limit_inputs(model) -> tuple:
+    """Everything the step limit is a function of: the ledger (which object, its phases'
+    settings and first steps), the optimizer's σ, and — while σ differs from the current
+    phase's, so that a new phase opens at the next step — the steps the current phase holds."""
+    ledger, sigma = model.privacy_ledger, model.optimizer.noise_multiplier
+    table = np.asarray(ledger.phase_table.numpy())
+    rows = table[table[:, 0] > 0]
+    pending = bool(len(rows)) and sigma != rows[-1, 2]
+    return id(ledger), table.tobytes(), sigma, int(ledger.steps.numpy()) if pending else None
 
 
 def _max_total_steps(model, max_epsilon: float):
@@ -136,3 +145,30 @@ def _max_total_steps(model, max_epsilon: float):
         return taken
     extra = largest_fitting(fits, 0, _UNBOUNDED)
     return None if extra == _UNBOUNDED else taken + extra
+
+
+def _no_step_fits_message(model, max_epsilon: float) -> str:
+    """Why no further step fits the budget, and what to change."""
+    ledger, settings = model.privacy_ledger, model.privacy_settings
+    delta, sigma = settings["delta"], model.optimizer.noise_multiplier
+    spent = model.get_epsilon()
+    if spent >= max_epsilon:
+        return (f"The privacy budget ε = {max_epsilon} is already spent (ε = {spent:.4f}); "
+                "no further step is allowed.")
+    phase = ledger.current_phase()
+    after_one = ledger.epsilon_if_continued(1, sigma, delta, settings["accountant"])
+    setting = (f"noise_multiplier σ = {sigma:g}, sampling rate q = {phase.sampling_rate:.4g} "
+               f"(expected batch {phase.expected_batch_size:g} of N = {phase.num_examples})"
+               if phase.scheme == "poisson" else
+               f"noise_multiplier σ = {sigma:g}, fixed batches without sampling amplification")
+    change = ("Raise noise_multiplier, or lower the sampling rate q = batch_size / N (a smaller batch_size)."
+              if phase.scheme == "poisson" else
+              "Raise noise_multiplier, or pass arrays (or an unbatched dataset) with batch_size=... so that fit "
+              "Poisson-samples the batches (amplification by sampling).")
+    if sigma == 0:
+        change = "noise_multiplier is 0 (no noise): set it > 0."
+    if int(ledger.steps.numpy()) == 0:
+        return (f"One DP step alone costs ε = {after_one:.4f} at δ = {delta:g} ({setting}), more than the privacy "
+                f"budget ε = {max_epsilon}: no step can run. {change}")
+    return (f"The privacy budget ε = {max_epsilon} is nearly spent (ε = {spent:.6g} so far): one more step "
+            f"({setting}) would take it to ε = {after_one:.6g}. {change}")
