@@ -5,6 +5,13 @@ z_it = E[id_it]. The per-example gradient of the table is Σ_t e_{id_it} s_itᵀ
     ‖∂ℓ_i/∂E‖_F² = Σ_{t,t'} [id_it = id_it'] (s_it·s_it') = Σ_v ‖Σ_{t: id_it = v} s_it‖²,
 
 computed in the explicit (right-hand) form, and the clipped sum scatters c_i s_it into row id_it.
+
+Ids outside [0, V): a negative id counts from the end (id + V), as Keras' ``ops.take``
+does on every backend; an id still outside [0, V) (≥ V, or < −V) looks up a zero vector
+and has no gradient — what Keras computes on a GPU. On a CPU plain Keras fails there
+instead, and a failure at the first step that samples such an example would tell when it
+was sampled, so the DP step never fails: the tapped lookup (``in_range_ids``, ``zero_invalid``) is that
+total function on every device and under XLA, and the norms are those of its gradient.
 """
 
 from __future__ import annotations
@@ -17,6 +24,20 @@ from tf_dp.clipping.clip import sum_over_examples
 from tf_dp.clipping.dense import dense_contribution
 from tf_dp.clipping.lora import lora_embedding_contribution, lora_embedding_tapped_call, lora_enabled
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, register_ghost_rule
+
+
+def in_range_ids(ids, vocabulary_size: int):
+    """(ids in [0, V), valid): negative ids counted from the end (id + V, as ``ops.take``);
+    ids still out of range are replaced by 0 and marked invalid."""
+    ids = tf.where(ids < 0, ids + tf.cast(vocabulary_size, ids.dtype), ids)
+    valid = tf.logical_and(ids >= 0, ids < vocabulary_size)
+    return tf.where(valid, ids, tf.zeros_like(ids)), valid
+
+
+def zero_invalid(z, valid):
+    """The looked-up rows z with zero vectors at invalid positions. Record z itself: its
+    output gradient is then zero at an invalid position, so the norms carry no term for it."""
+    return tf.where(valid[..., None], z, tf.zeros_like(z))
 
 
 class EmbeddingContribution(Contribution):
@@ -81,13 +102,14 @@ class EmbeddingRule(GhostRule):
 
     def tapped_call(self, layer, original_call, recordings, inputs):
         ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
+        ids, valid = in_range_ids(ids, layer.input_dim)
         if lora_enabled(layer):
             z, recording = lora_embedding_tapped_call(layer, ids)
         else:
             z = keras.ops.take(layer.embeddings, ids, axis=0)
             recording = Recording(ids, [z])
         recordings.append(recording)
-        return keras.ops.cast(z, layer.compute_dtype)
+        return keras.ops.cast(zero_invalid(z, valid), layer.compute_dtype)
 
     def contribution(self, layer, recordings, output_grads):
         if lora_enabled(layer):

@@ -40,7 +40,7 @@ from tf_dp.clipping import rounding
 from tf_dp.clipping.clip import sum_over_examples, weighted_row_sum
 from tf_dp.clipping import dense
 from tf_dp.clipping.dense import dense_contribution
-from tf_dp.clipping.embedding import EmbeddingContribution
+from tf_dp.clipping.embedding import EmbeddingContribution, in_range_ids, zero_invalid
 from tf_dp.clipping.lora import lora_enabled
 from tf_dp.clipping.registry import (CombinedContribution, Contribution, GhostRule, Recording,
                                      register_ghost_rule, register_ghost_rule_by_name)
@@ -134,11 +134,12 @@ class ReversibleEmbeddingRule(GhostRule):
         return [layer.embeddings] + ([] if layer.tie_weights else [layer.reverse_embeddings])
 
     def tapped_call(self, layer, original_call, recordings, inputs, reverse=False):
-        if not reverse:
+        if not reverse:  # ids outside [0, V): as a plain Embedding (embedding.py)
             ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
+            ids, valid = in_range_ids(ids, layer.input_dim)
             z = keras.ops.take(layer.embeddings, ids, axis=0)
             recordings.append(Recording(ids, [z], extras=LOOKUP))
-            return keras.ops.cast(z, layer.compute_dtype)
+            return keras.ops.cast(zero_invalid(z, valid), layer.compute_dtype)
         kernel = keras.ops.transpose(layer.embeddings) if layer.tie_weights else layer.reverse_embeddings
         logits = keras.ops.matmul(inputs, kernel)
         recordings.append(Recording(inputs, [logits], extras=PROJECTION))
