@@ -1,4 +1,4 @@
-"""Layers applied to tensors that do not depend on the batch (ALGORITHMS §6): a [T] position
+"""Layers applied to tensors that do not depend on the batch (docs/algorithms.md §6): a [T] position
 range, a [K, f] table of class features. Which tensors carry the example axis is decided from
 how they were computed, never from their leading size, so these layers get exact per-example
 gradients whether that size equals the batch size P or not.

@@ -10,6 +10,11 @@ is an upper bound U_i² that holds under floating-point rounding (rounding.py); 
 in float64 and the factor is rounded toward zero to float32, so ‖c_i ĝ_i‖ ≤ C up to the
 relative rounding of the float32 sums (a few 2⁻²⁴).
 
+Which tensors carry the example axis is read off the traced graph (a tensor does iff it is
+computed from the batch inputs x; example_axis.py), so eager calls run as a graph. A layer
+applied to batch-free tensors (a position range, a table of class features) gets exact
+per-example gradients from its broadcast uses, or through the whole model (tap.py).
+
 ``engine="vectorized"``: per-example gradients of the whole model by ``vectorized_map``;
 slow, used as the reference.
 """

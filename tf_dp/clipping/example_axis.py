@@ -1,4 +1,5 @@
-"""Which tensors carry the example axis: decided from how they were computed, never from a shape.
+"""Which tensors carry the example axis (docs/algorithms.md §6): decided from how they were
+computed, never from a shape.
 
 A layer's argument carries the example axis when its value depends on the model's batch
 inputs x (the traced graph says so: walk back through the ops that computed it). Ops that

@@ -16,8 +16,8 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
-from tf_dp.clipping.engine import (CURRENT_WEIGHTS, _shared_contributions, _trainable_units, as_graph_inputs, examples_of,
-                                   forward)
+from tf_dp.clipping.engine import (CURRENT_WEIGHTS, _shared_contributions, _trainable_units, as_graph_inputs,
+                                   examples_of, forward)
 from tf_dp.clipping.layer_per_example import squared_row_norms
 from tf_dp.clipping.per_example import per_example_gradients
 from tf_dp.clipping.registry import unit_variables

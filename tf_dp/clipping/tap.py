@@ -159,8 +159,8 @@ class LayerTap:
             if examples is not None and leading is not None and leading != examples:
                 raise ValueError(
                     f"Layer {layer.name!r} is called on a tensor of shape {flat[index].shape} computed from the batch "
-                    f"inputs, whose leading axis is not the batch of {examples} examples. tf_dp clips per example along "
-                    "axis 0: keep the examples on axis 0 of every tensor a trainable layer sees (e.g. reshape "
+                    f"inputs, whose leading axis is not the batch of {examples} examples. tf_dp clips per example "
+                    "along axis 0: keep the examples on axis 0 of every tensor a trainable layer sees (e.g. reshape "
                     "[P·T, d] back to [P, T, d] before the layer), or use clipping_engine='vectorized'.")
 
     @contextlib.contextmanager
