@@ -5,10 +5,13 @@ change of the weights between two released iterates, and recover the exact clipp
 gradient sum — and with it which examples were in the batch. So the key is NEVER saved:
 it is not a Keras variable of the optimizer (``.keras`` files, weights files and
 checkpoints store those), not in ``get_config``, not in ``privacy.json``. A run started
-with ``seed=None`` draws its key from the OS CSPRNG, and a resumed run draws a fresh one;
-a user seed is the user's secret, to be passed again on resume. Uniqueness of the draws
+with ``seed=None`` draws its key from the OS CSPRNG, and a resumed run draws a fresh one.
+A user seed is the user's secret and keys only a model whose ledger has taken no DP step:
+two resumes of one file with one seed would draw the same noise at the same steps, which
+cancels in the difference of their releases (``DPOptimizer.guard_noise_counter`` refuses;
+``set_seed(seed, allow_resume=True)`` is a lab run's opt-in). Uniqueness of the draws
 over the model's whole life comes from the counter (the ledger's DP step count, saved
-with the model), not from the key: see ``tf_dp.noise.gaussian``.
+with the model) under one key: see ``tf_dp.noise.gaussian``.
 """
 
 from __future__ import annotations
