@@ -116,3 +116,18 @@ def test_a_sigma_schedule_neither_retraces_nor_recompiles_the_xla_step(monkeypat
     # The first step traces and compiles (seconds); an XLA recompile per new σ made every
     # later step as slow as the first (measured 1.35 s against 3 ms).
     assert np.median(times.times[1:]) < 0.2 * times.times[0], times.times
+
+
+def test_steps_no_phase_covers_give_no_epsilon():
+    """train_step called directly before any fit: the step released noisy weights, but no
+    phase records its q and σ; the old ledger reported ε = 0 for it."""
+    from tf_dp.models.data import poisson_dataset
+
+    x, y = data()
+    model = model_with(jit_compile=False)
+    model._prebuild(x, y)
+    before = weights(model)
+    model.train_step(next(iter(poisson_dataset(x, y, N, BATCH, None, seed=1))))
+    assert any(not np.array_equal(a, b) for a, b in zip(weights(model), before))  # it released
+    with pytest.raises(ValueError, match="before any phase was recorded"):
+        model.get_epsilon()

@@ -171,20 +171,33 @@ class PrivacyLedger(tf.Module):
                 f"the {int(self.steps.numpy())} steps that ran). Change noise_multiplier less often, e.g. once per "
                 "epoch or in a few stages, rather than every step.")
 
+    def accounted_phases(self) -> list[Phase]:
+        """The phases, refusing a ledger with steps that no phase covers (``train_step``
+        called before any ``fit``/``train_on_batch`` opened one): their q and σ are not
+        recorded, so no ε can be stated for them."""
+        rows, total = self._rows(), int(self.steps.numpy())
+        uncovered = int(rows[0, 5]) if len(rows) else total
+        if uncovered:
+            raise ValueError(
+                f"The privacy ledger counts {uncovered} DP step(s) taken before any phase was recorded (train_step "
+                "called directly, outside fit/train_on_batch): their sampling rate and noise_multiplier are unknown, "
+                "so no ε can be reported. Train through fit or train_on_batch, which record each phase.")
+        return self.phases()
+
     def event(self) -> dp_event.DpEvent:
-        return composed_event(self.phases())
+        return composed_event(self.accounted_phases())
 
     def epsilon(self, delta: float, accountant: str = "rdp") -> float:
         """ε at δ of every step taken so far (0 before the first step)."""
         if int(self.steps.numpy()) == 0:
             return 0.0
-        return epsilon_of_phases(self.phases(), delta, accountant)
+        return epsilon_of_phases(self.accounted_phases(), delta, accountant)
 
     def epsilon_if_continued(self, extra_steps: int, noise_multiplier: float, delta: float,
                              accountant: str = "rdp") -> float:
         """ε after ``extra_steps`` more steps of the current phase at ``noise_multiplier``
         (the σ the next steps will use, which a callback may have changed)."""
-        phases = self.phases()
+        phases = self.accounted_phases()
         if not phases:
             raise ValueError("No phase is open: the ledger cannot project future steps.")
         future = dataclasses.replace(phases[-1], noise_multiplier=float(np.float32(noise_multiplier)),
