@@ -129,6 +129,8 @@ def duplicating_idioms(dataset: tf.data.Dataset, batched: bool) -> list:
     """Descriptions of every idiom in ``dataset`` that can present one example more than
     once: in one batch (``batched``: every op not applied to whole batches), or anywhere
     (an unbatched dataset read as a source of N examples), and the unreadable graph."""
+    if _plainly_duplicate_free(dataset, batched):
+        return []  # no need to serialize the graph (seconds for a large in-memory dataset)
     graph = read_graph(dataset)
     if graph is None:
         return ["a pipeline whose graph tf.data cannot serialize (so duplicates cannot be ruled out)"]
@@ -145,6 +147,40 @@ def duplicating_idioms(dataset: tf.data.Dataset, batched: bool) -> list:
     if any(node.op.startswith("RepeatDataset") for node in graph.functions):
         found.append("a repeat() inside a flat_map/interleave function")
     return sorted({idiom for idiom in found if idiom})
+
+
+# Python dataset classes that present each input element at most once and build no dataset in a function.
+_PLAIN = {"_TensorSliceDataset", "_TensorDataset", "_RangeDataset", "_MapDataset", "_ParallelMapDataset",
+          "_FilterDataset", "_ShuffleDataset", "CacheDataset", "_CacheDataset", "_TakeDataset", "_SkipDataset",
+          "_ShardDataset", "_PrefetchDataset", "_OptionsDataset", "_RestructuredDataset", "_ModelDataset",
+          "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset", "_AssertCardinalityDataset",
+          "_IgnoreErrorsDataset", "_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset"}
+_PLAIN_BATCHES = {"_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset"}
+
+
+def _plainly_duplicate_free(dataset, batched: bool) -> bool:
+    """A fast, Python-level pass: True when every op of the pipeline is in ``_PLAIN``, or (for
+    a batched dataset) is a repeat whose every input path meets a batch op; False means
+    "read the serialized graph", not "duplicates"."""
+    stack, seen = [dataset], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        name = type(node).__name__
+        if name not in _PLAIN and not (batched and name == "_RepeatDataset" and _python_on_batches(node)):
+            return False
+        try:
+            stack.extend(node._inputs())
+        except Exception:  # noqa: BLE001 — an unknown dataset class: the graph decides
+            return False
+    return True
+
+
+def _python_on_batches(node) -> bool:
+    inputs = node._inputs()
+    return bool(inputs) and all(type(n).__name__ in _PLAIN_BATCHES or _python_on_batches(n) for n in inputs)
 
 
 def _repeat_idiom(graph: _Graph, node) -> Optional[str]:
