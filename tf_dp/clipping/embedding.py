@@ -6,12 +6,13 @@ z_it = E[id_it]. The per-example gradient of the table is Σ_t e_{id_it} s_itᵀ
 
 computed in the explicit (right-hand) form, and the clipped sum scatters c_i s_it into row id_it.
 
-Ids outside [0, V): a negative id counts from the end (id + V), as Keras' ``ops.take``
-does on every backend; an id still outside [0, V) (≥ V, or < −V) looks up a zero vector
-and has no gradient — what Keras computes on a GPU. On a CPU plain Keras fails there
-instead, and a failure at the first step that samples such an example would tell when it
-was sampled, so the DP step never fails: the tapped lookup (``in_range_ids``, ``zero_invalid``) is that
-total function on every device and under XLA, and the norms are those of its gradient.
+Ids outside [0, V) (docs/algorithms.md §6.2): a negative id counts from the end (id + V),
+as Keras' ``ops.take`` does on every backend; an id still outside [0, V) (≥ V, or < −V)
+looks up a zero vector and has no gradient — what Keras computes on a GPU. On a CPU plain
+Keras fails there instead, and a failure at the first step that samples such an example
+would tell when it was sampled, so the DP step never fails: the tapped lookup
+(``in_range_ids``, ``zero_invalid``) is that total function on every device and under XLA,
+and the norms are those of its gradient.
 """
 
 from __future__ import annotations
