@@ -9,6 +9,7 @@ from tf_dp.clipping import reversible_embedding as _reversible_embedding  # noqa
 from tf_dp.clipping import normalization as _normalization  # noqa: F401  (RMSNormalization, GroupNormalization, keras-hub norms)
 from tf_dp.clipping import position_embedding as _position_embedding  # noqa: F401  (keras-hub PositionEmbedding, by name)
 from tf_dp.clipping import depthwise_conv as _depthwise_conv  # noqa: F401  (DepthwiseConv2D rule)
+from tf_dp.clipping import recurrent as _recurrent  # noqa: F401  (LSTM, GRU, SimpleRNN rule)
 from tf_dp.clipping.clip import clip_factors
 from tf_dp.clipping.engine import CURRENT_WEIGHTS, ENGINES, ClippedBatch, EvaluationPoint, clipped_gradient_sum, forward
 from tf_dp.clipping.norms import per_example_gradient_norms
