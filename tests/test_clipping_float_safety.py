@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tf_dp.clipping import clipped_gradient_sum, dense
 
-CANDIDATES = 32  # per kind; 9 kinds
+CANDIDATES = 32  # per kind; 15 kinds
 HONEST = 4  # ordinary examples in every batch
 TOLERANCE = 1e-3  # ‖released_i‖ ≤ C (1 + TOLERANCE)
 
@@ -165,6 +165,92 @@ def layer_norm(rng, steps=3, width=6):
     return model, x, r, [(r64 * normalized).sum(axis=1), r64.sum(axis=1)]
 
 
+def _crafted_table(rng, rows, features):
+    """A batch-free [rows, f] table shared by every example: huge and tiny rows, pairs of
+    equal rows (u_s = u_t) and of nearly opposite ones (u_q = −u_p (1 − ε))."""
+    u = rng.standard_normal((rows, features)) * 10.0 ** rng.uniform(-6, 6, (rows, 1))
+    if rows >= 4:
+        t, s, p, q = rng.choice(rows, 4, replace=False)
+        u[t] *= 10.0 ** rng.uniform(2, 8)
+        u[s] = u[t]
+        u[q] = -u[p] * (1 - 2.0 ** -rng.integers(5, 24))
+    return u.astype("float32")
+
+
+def _cancelling_grads(rng, u, out):
+    """Per-example r [rows, k] whose Σ_t u_t r_tᵀ cancels on the table's equal/opposite row pairs."""
+    rows = len(u)
+    r = rng.standard_normal((rows, out)) * 10.0 ** rng.uniform(-8, 6)
+    for t in range(rows):
+        for s in range(t + 1, rows):
+            if np.array_equal(u[s], u[t]) and rng.random() < 0.8:
+                r[t] *= 10.0 ** rng.uniform(0, 6)
+                r[s] = -r[t] * (1 - 2.0 ** -rng.integers(5, 24))
+            elif np.allclose(u[s], -u[t], rtol=1e-3) and rng.random() < 0.8:
+                r[s] = r[t]
+    return r.astype("float32")
+
+
+class _OnTable(keras.layers.Layer):
+    """x + layer(table) (broadcast to the batch) or x · layer(table)ᵀ (a prototype head)."""
+
+    def __init__(self, layer, table, prototypes=False, **kwargs):
+        super().__init__(**kwargs)
+        self.layer, self.table, self.prototypes = layer, table, prototypes
+
+    def call(self, x):
+        z = self.layer(keras.ops.convert_to_tensor(self.table))
+        return tf.matmul(x, z, transpose_b=True) if self.prototypes else x + z
+
+
+def dense_on_table(rng, rows=5, features=6, out=4, leading_one=False):
+    """Dense on a batch-free [K, f] table, added to the batch's [P, K, k] (K = 1: [1, f] to [P, k])."""
+    u = _crafted_table(rng, rows, features)
+    inputs = keras.Input((out,) if leading_one else (rows, out))
+    model = keras.Model(inputs, _OnTable(keras.layers.Dense(out), u)(inputs))
+    r = np.stack([_cancelling_grads(rng, u, out) for _ in range(CANDIDATES + HONEST)])
+    r = r[:, 0] if leading_one else r
+    x = rng.standard_normal(r.shape).astype("float32")
+    u_b = np.broadcast_to(u, (len(r), *u.shape))
+    return model, x, r, _dense_truth(u_b, r.reshape(len(r), rows, out))
+
+
+def dense_on_leading_one_table(rng):
+    return dense_on_table(rng, rows=1, leading_one=True)
+
+
+def dense_on_batch_sized_table(rng):
+    return dense_on_table(rng, rows=CANDIDATES + HONEST, features=3, out=2)  # K = P
+
+
+def prototype_head(rng, classes=5, features=6, width=4):
+    """x · Dense(u)ᵀ, u a batch-free [K, f] table: ∂ℓ_i/∂W = (uᵀ r_i) x_iᵀ, ∂ℓ_i/∂b = (Σ_k r_ik) x_i."""
+    u = _crafted_table(rng, classes, features)
+    inputs = keras.Input((width,))
+    model = keras.Model(inputs, _OnTable(keras.layers.Dense(width), u, prototypes=True)(inputs))
+    r = np.stack([_cancelling_grads(rng, u, 1)[:, 0] for _ in range(CANDIDATES + HONEST)])
+    x = (rng.standard_normal((len(r), width)) * 10.0 ** rng.uniform(-4, 4, (len(r), 1))).astype("float32")
+    x64, r64, u64 = x.astype(np.float64), r.astype(np.float64), u.astype(np.float64)
+    return model, x, r, [np.einsum("pk,kf,pe->pfe", r64, u64, x64), r64.sum(axis=1)[:, None] * x64]
+
+
+def prototype_head_batch_sized(rng):
+    return prototype_head(rng, classes=CANDIDATES + HONEST, features=3)  # K = P
+
+
+def embedding_on_positions(rng, steps=6, vocabulary=5, out=4):
+    """Embedding on batch-free [T] ids (repeated ids), added to the batch's [P, T, k]."""
+    ids, _ = _crafted_ids(rng, steps, vocabulary, out)
+    inputs = keras.Input((steps, out))
+    model = keras.Model(inputs, _OnTable(keras.layers.Embedding(vocabulary, out), ids.astype("int32"))(inputs))
+    table = np.eye(vocabulary)[ids]  # one-hot rows: equal rows where ids repeat
+    r = np.stack([_cancelling_grads(rng, table, out) for _ in range(CANDIDATES + HONEST)])
+    truth = np.zeros((len(r), vocabulary, out))
+    for i in range(len(r)):
+        np.add.at(truth[i], ids, r[i].astype(np.float64))
+    return model, rng.standard_normal(r.shape).astype("float32"), r, [truth]
+
+
 # (builder, force the Gram form by an explicit-products budget of 0, check the norm against
 # the float64 truth: only where the layer's inputs are the given float32 values and the
 # norm does not come from a float32 kernel's own per-example gradient)
@@ -172,6 +258,11 @@ KINDS = [
     (dense_sequence, True, True), (dense_sequence_long, False, True), (einsum_dense, True, True),
     (lora_dense, True, True), (conv, True, True), (conv, False, True), (conv_single_channel, False, False),
     (embedding, False, True), (layer_norm, False, False),
+    # batch-free inputs ([1, f], [K, f] with K ≠ P and K = P, [T] ids): per-example gradients
+    # replayed or taken through the whole model in float32, so their norm is that of what is released
+    (dense_on_table, False, False), (dense_on_leading_one_table, False, False),
+    (dense_on_batch_sized_table, False, False), (prototype_head, False, False),
+    (prototype_head_batch_sized, False, False), (embedding_on_positions, False, False),
 ]
 
 
