@@ -159,6 +159,10 @@ class PrivacyLedger(tf.Module):
         self._refusals.count.assign_add(tf.cast(tf.logical_and(wanted, tf.logical_not(recorded)), tf.int64))
         return tf.cast(recorded, tf.float32)
 
+    def refused_steps(self) -> tf.Tensor:
+        """Steps refused since the host last checked (read inside the compiled step)."""
+        return self._refusals.count.read_value()
+
     def raise_if_refused(self) -> None:
         """Raises if the compiled step refused steps it could not record (called by the
         host after every execution of the train function)."""

@@ -20,6 +20,9 @@ from tf_dp.models.losses import WeightedTargets, unpack_targets, without_unused_
 from tf_dp.optimizers import DPOptimizer
 
 
+REFUSED_LOG = "tf_dp_refused_steps"  # popped from the logs before Keras or a callback sees them
+
+
 class DPTrainStep:
     """``train_step`` of DP models (mixed into DPModelMixin)."""
 
@@ -43,7 +46,9 @@ class DPTrainStep:
             clipped_sums, self.trainable_variables, expected_batch_size, self._regularization_gradients(),
             dp_step=dp_step, noise_multiplier=sigma, release=self._release,
         )
-        return self._step_logs()
+        # The ledger's refusal count rides with the logs (public: a function of σ and the
+        # table); the host reads it from them, cheaper than a variable read per execution.
+        return {**self._step_logs(), **for_multi_worker_reduce({REFUSED_LOG: ledger.refused_steps()})}
 
     def make_train_function(self, force=False):
         """Keras' train function, followed on the host by the ledger's check: a step the
@@ -55,7 +60,9 @@ class DPTrainStep:
 
         def train_function_then_check_the_ledger(*args, **kwargs):
             logs = function(*args, **kwargs)
-            self.privacy_ledger.raise_if_refused()
+            refused = logs.pop(REFUSED_LOG, None) if isinstance(logs, dict) else None
+            if refused is None or np.any(np.asarray(refused) > 0):  # None: a train_step of its own
+                self.privacy_ledger.raise_if_refused()
             return logs
 
         train_function_then_check_the_ledger.checks_the_ledger = True
