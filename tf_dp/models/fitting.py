@@ -116,6 +116,8 @@ class DPFitting:
                     validation_data = tf.data.Dataset.zip((validation_data, batches)).map(lambda xy, w: (*xy, w))
                 else:
                     validation_data = (*validation_data, tail_weights)
+        if isinstance(validation_data, (tuple, list)):  # numpy string arrays as tf.string, which Keras reads
+            validation_data = tuple(tf.nest.map_structure(keras_array, part) for part in validation_data)
         num_examples = len(source)
         refuse_batched_records(source, self, augment)
         self._set_example_weights(sample_weight, class_weight, num_examples)
@@ -306,7 +308,7 @@ class DPFitting:
     def _prebuild(self, x, y):
         """Builds model, metrics and optimizer from one example, since the Poisson stream's
         elements are not plain (x, y) batches."""
-        sample = tf.nest.map_structure(lambda a: a[:1], (x, y))
+        sample = tf.nest.map_structure(lambda a: keras_array(a[:1]), (x, y))
         with self.distribute_strategy.scope():
             self._symbolic_build(data_batch=sample)
             self._build_optimizer()
@@ -403,10 +405,18 @@ def _training_rows(n: int, fraction) -> int:
     return cut
 
 
+def keras_array(array):
+    """``array`` as Keras' data adapters and symbolic build accept it: a string column (an
+    object array of bytes, which Keras has no dtype for) becomes a tf.string tensor."""
+    if isinstance(array, np.ndarray) and (array.dtype == object or array.dtype.kind in "US"):
+        return tf.constant(array, tf.string)
+    return array
+
+
 def _split_tail(x, y, fraction):
     cut = _training_rows(num_rows(x), fraction)
     head = lambda a: a[:cut]  # noqa: E731
-    tail = lambda a: a[cut:]  # noqa: E731
+    tail = lambda a: keras_array(a[cut:])  # noqa: E731 — the validation rows go to Keras' own fit
     return ((tf.nest.map_structure(head, x), tf.nest.map_structure(head, y)),
             (tf.nest.map_structure(tail, x), tf.nest.map_structure(tail, y)))
 

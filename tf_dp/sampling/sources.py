@@ -50,9 +50,31 @@ class SourceError(ValueError):
 
 
 # ----------------------------------------------------------------------------- specs
+def is_string_array(array: np.ndarray) -> bool:
+    """Whether ``array`` holds text: numpy str/bytes dtypes, or objects that are all str or
+    bytes (a column of Python strings is strings, not ragged rows)."""
+    if array.dtype.kind in "US":
+        return True
+    return array.dtype == object and array.size > 0 and all(isinstance(v, (str, bytes)) for v in array.reshape(-1))
+
+
+def as_tf_strings(array: np.ndarray) -> np.ndarray:
+    """A string array as tf.string holds it: an object array of bytes (str encoded as UTF-8,
+    as TensorFlow converts it; bytes kept exactly, trailing NUL bytes included)."""
+    array = np.asarray(array)
+    out = np.empty(array.shape, object)
+    out.reshape(-1)[:] = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in array.reshape(-1)]
+    return out
+
+
+def column_dtype(column) -> tf.DType:
+    """The tf dtype of a column's rows: tf.string for object arrays of bytes (as_tf_strings)."""
+    return tf.string if column.dtype == object or column.dtype.kind in "US" else tf.as_dtype(column.dtype)
+
+
 def _leaf_spec(value) -> tf.TensorSpec:
     array = np.asarray(value)
-    if array.dtype.kind == "S" or (array.dtype == object and all(isinstance(v, bytes) for v in array.reshape(-1))):
+    if is_string_array(array):
         return tf.TensorSpec(array.shape, tf.string)
     if array.dtype == object:
         raise TypeError("records must hold dense fixed-shape arrays, numbers or bytes, not Python objects.")
@@ -86,9 +108,32 @@ def _column(value, name: str):
     if _is_lazy_array(value):
         return value
     array = np.asarray(value)
+    if is_string_array(array):  # text (str, bytes, tf.string): fixed-shape rows of tf.string
+        return as_tf_strings(array)
     if array.dtype == object:
-        raise TypeError(f"`{name}` has ragged/object rows; pad them to one shape first.")
+        raise TypeError(f"`{name}` has ragged/object rows (not all strings); pad them to one shape first "
+                        "(e.g. keras.utils.pad_sequences).")
     return array
+
+
+def input_columns(x, name: str = "x"):
+    """fit's ``x`` as a structure of columns, as Keras reads it: a dict of inputs stays a
+    dict; a list or tuple whose entries are all arrays (or structures of arrays) is one
+    input per entry — a tuple, since tf.data would stack a list into one tensor; anything
+    else (an array, a tensor, a list of strings or numbers) is one column."""
+    if isinstance(x, dict):
+        return {key: input_columns(value, f"{name}[{key!r}]") for key, value in x.items()}
+    if _is_structure_of_arrays(x):
+        return tuple(input_columns(value, f"{name}[{i}]") for i, value in enumerate(x))
+    return _column(x, name)
+
+
+def _is_structure_of_arrays(value) -> bool:
+    if isinstance(value, dict):
+        return bool(value) and all(_is_structure_of_arrays(v) or _is_array_column(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_is_structure_of_arrays(v) or _is_array_column(v) for v in value)
+    return False
 
 
 def target_columns(y):
@@ -124,7 +169,7 @@ def _take_rows(column, rows: np.ndarray) -> np.ndarray:
 def _scatter(values: np.ndarray, real: np.ndarray, count: int) -> np.ndarray:
     """A [count, ...] array holding ``values`` at the positions ``real`` and zeros (empty
     bytes) elsewhere."""
-    if values.dtype == object:
+    if values.dtype == object or values.dtype.kind in "US":  # strings: padding rows are "", never an example
         out = np.full((count, *values.shape[1:]), b"", object)
     else:
         out = np.zeros((count, *values.shape[1:]), values.dtype)
@@ -215,13 +260,13 @@ class ArraySource(ExampleSource):
     def __init__(self, x, y, extras: Optional[dict] = None):
         if x is None or y is None:
             raise ValueError("DP fit needs both `x` and `y`.")
-        self.x = tf.nest.map_structure(lambda v: _column(v, "x"), x)
+        self.x = input_columns(x)  # fit([x1, x2], y): one column per input, as Keras reads a list
         self.y = target_columns(y)  # one column, or one per output of a multi-output model
         sizes = {_num_rows(c) for c in tf.nest.flatten(self.x)} | {_num_rows(c) for c in tf.nest.flatten(self.y)}
         if len(sizes) != 1:
             raise ValueError(f"`x` and `y` must have the same number of rows, got sizes {sorted(sizes)}.")
         self._count = sizes.pop()
-        column_spec = lambda c: tf.TensorSpec(c.shape[1:], tf.as_dtype(c.dtype))  # noqa: E731
+        column_spec = lambda c: tf.TensorSpec(c.shape[1:], column_dtype(c))  # noqa: E731
         self.spec = (tf.nest.map_structure(column_spec, self.x), tf.nest.map_structure(column_spec, self.y))
         self.extras = {}
         if extras:
@@ -394,10 +439,11 @@ def _conform(value, spec: tf.TensorSpec) -> np.ndarray:
     array = np.asarray(value)
     if tuple(array.shape) != tuple(spec.shape):
         raise ValueError("shape")
-    if spec.dtype == tf.string:  # bytes of any length
-        if array.dtype.kind not in "SO":
+    if spec.dtype == tf.string:  # text of any length, as bytes
+        if not (is_string_array(array) or (array.dtype == object and array.size == 0)):
             raise TypeError("dtype")
-        return array.astype(object) if array.ndim else array.item()
+        array = as_tf_strings(array)
+        return array if array.ndim else array.item()
     want = np.dtype(spec.dtype.as_numpy_dtype)
     if array.dtype != want:
         if not np.can_cast(array.dtype, want, "same_kind"):
@@ -558,7 +604,10 @@ class DatasetSource(ExampleSource):
 
     def read_examples(self, rows):
         examples = [tf.data.experimental.at(self.dataset, int(i)) for i in rows]
-        stack = lambda *leaves: np.stack([np.asarray(v) for v in leaves]) if leaves else None  # noqa: E731
+        def stack(*leaves):  # string leaves as object arrays of bytes (numpy would pad them to one width)
+            rows = np.stack([np.asarray(v) for v in leaves])
+            return as_tf_strings(rows) if rows.dtype.kind in "SUO" else rows
+
         if not examples:
             empty = lambda s: np.zeros((0, *s.shape), s.dtype.as_numpy_dtype)  # noqa: E731
             return tf.nest.map_structure(empty, self.spec[0]), tf.nest.map_structure(empty, self.spec[1])
