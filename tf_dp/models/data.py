@@ -235,7 +235,8 @@ def gather_rows(array: np.ndarray, indices: np.ndarray, mask: np.ndarray) -> np.
     model's forward pass; a neutral value instead of a copy of a real example means no
     example can reach other rows through them (e.g. via a layer that mixes rows)."""
     rows = array[indices]
-    rows[np.asarray(mask) == 0] = np.zeros((), rows.dtype)
+    strings = rows.dtype == object or rows.dtype.kind in "US"
+    rows[np.asarray(mask) == 0] = b"" if strings else np.zeros((), rows.dtype)
     return rows
 
 
