@@ -21,6 +21,7 @@ slow, used as the reference.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -151,7 +152,7 @@ def traced(function):
                 at = [EvaluationPoint(p.coefficient, w, p.view) for p, w in zip(points, weights)]
                 result = function(model, per_example_loss, x, y, mask, l2_norm_clip, at, **options)
                 return result.clipped_sums, result.y_pred, result.losses, result.squared_norms
-            graphs[key] = tf.function(graph, autograph=False, reduce_retracing=True)
+            graphs[key] = tf.function(graph, reduce_retracing=True)  # autograph, as fit compiles
         return ClippedBatch(*graphs[key](x, y, mask, l2_norm_clip, [p.weights for p in points]))
     return run
 
@@ -187,6 +188,9 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_
         output_grads = tape.gradient(total, tap.watched_tensors(skip=shared))
     contributions = tap.contributions(output_grads, skip=shared)
     contributions += _shared_contributions(model, per_example_loss, x, y, points, shared, tap.fallback)
+    if use_ghost_rules:
+        warn_slow_layers(model, [(layer, rule) for layer, rule, _ in contributions], tap.fallback, shared,
+                         examples_of(mask))
     squared_norms = tf.add_n([tf.cast(c.squared_norms(), tf.float64) for _, _, c in contributions]) \
         if contributions else tf.zeros_like(losses, tf.float64)
     factors = _float32_factors(squared_norms, l2_norm_clip, mask)
@@ -221,6 +225,32 @@ def _shared_contributions(model, per_example_loss, x, y, points, shared_layers, 
         result.append((layer, fallback, MaterializedContribution(total[start:start + len(group)])))
         start += len(group)
     return result
+
+
+class SlowPathWarning(UserWarning):
+    """Layers of a model whose per-example gradients take a per-example path (no ghost rule)."""
+
+
+def warn_slow_layers(model, used_rules: list, fallback, whole_model_layers: list, examples) -> None:
+    """Warns once per model, naming each layer whose per-example gradients come from the
+    per-example replay of that layer (no ghost rule models its calls) or from per-example
+    passes of the whole model (weights shared with another call, batch-free outputs), and
+    what it costs: about P (the batch size) times the layer's, or the model's, own
+    forward/backward work per step."""
+    slow = [layer for layer, rule in used_rules if rule is fallback]
+    if not slow or model.__dict__.get("_tf_dp_warned_slow_layers"):
+        return
+    object.__setattr__(model, "_tf_dp_warned_slow_layers", True)  # untracked by Keras
+    whole = {id(layer) for layer in whole_model_layers}
+    per_example = f"P={examples}" if isinstance(examples, int) else "P (the batch size)"
+    parts = [f"per-example passes of the whole model for layer {layer.name!r} ({type(layer).__name__}): roughly "
+             f"{per_example} times the model's forward/backward cost" if id(layer) in whole else
+             f"per-example replay of layer {layer.name!r} ({type(layer).__name__}): roughly {per_example} times its "
+             "forward/backward cost" for layer in slow]
+    warnings.warn(
+        "tf_dp: layers without a ghost rule run on the slow per-example path in each DP step: " + "; ".join(parts)
+        + ". Register a GhostRule for them (tf_dp.clipping.register_ghost_rule) or use layers that have one "
+        "(Dense, Embedding, Conv, LSTM/GRU/SimpleRNN without dropout, ...).", SlowPathWarning, stacklevel=3)
 
 
 def _float32_factors(squared_norms: tf.Tensor, l2_norm_clip, mask) -> tf.Tensor:

@@ -9,6 +9,7 @@ i depends only on input row i (layers that mix examples are refused by the model
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import keras
@@ -17,6 +18,7 @@ import tensorflow as tf
 from tf_dp.clipping import rounding
 from tf_dp.clipping.clip import weighted_row_sum
 from tf_dp.clipping.kernels import crash_prone_batch_matmuls, require_grouped_conv_kernels
+from tf_dp._xla import compiling_with_xla
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, unit_variables
 
 
@@ -133,7 +135,52 @@ class LayerPerExampleRule(GhostRule):
             return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(vjp, variables)]
 
         elems = ([flat_inputs[i] for i in batched], grads)
-        return per_example_map(one_example, elems, [tf.TensorSpec(v.shape, v.dtype) for v in values], layer.name)
+        signature = [tf.TensorSpec(v.shape, v.dtype) for v in values]
+        with unrolled_recurrence(layer, args) as unrolled:
+            if not unrolled and isinstance(layer, keras.layers.RNN) and compiling_with_xla():
+                return _python_loop_map(one_example, elems, signature, layer)
+            return per_example_map(one_example, elems, signature, layer.name)
+
+
+@contextlib.contextmanager
+def unrolled_recurrence(layer, args):
+    """While the replay of ``layer`` is traced, a recurrent layer with a static number of
+    steps runs unrolled: its while loop inside a per-example map does not compile under XLA
+    (TensorListReserve of variants on XLA_CPU), and without control flow the replay can be
+    vectorized. Same computation (Keras' ``unroll=True``); the layer is restored after.
+    Yields whether it unrolled the layer."""
+    steps = args[0].shape[1] if args and tf.is_tensor(args[0]) and args[0].shape.rank and args[0].shape.rank >= 2 \
+        else None
+    recurrent = isinstance(layer, keras.layers.RNN) and not layer.unroll
+    if not recurrent or steps is None:
+        yield False
+        return
+    layer.unroll = True
+    try:
+        yield True
+    finally:
+        layer.unroll = False
+
+
+def _python_loop_map(fn, elems, output_signature, layer):
+    """Per-example replay of a recurrent layer with an unknown number of steps under XLA:
+    its while loop inside a ``tf.map_fn`` does not compile there, so with a static batch
+    size each example is replayed by its own copy of the graph (a Python loop; a warning
+    names the layer); otherwise ``tf.map_fn``, which XLA may refuse."""
+    examples = tf.nest.flatten(elems)[0].shape[0]
+    if examples is None:
+        warnings.warn(
+            f"tf_dp: the per-example replay of recurrent layer {layer.name!r} ({type(layer).__name__}) has an unknown "
+            "number of time steps and an unknown batch size, so its while loop runs inside tf.map_fn, which XLA may "
+            "not compile: give the Input a static sequence length, or compile with jit_compile=False.",
+            RuntimeWarning, stacklevel=4)
+        return tf.map_fn(fn, elems, fn_output_signature=output_signature)
+    warnings.warn(
+        f"tf_dp: the per-example replay of recurrent layer {layer.name!r} ({type(layer).__name__}) has an unknown "
+        f"number of time steps: under XLA it is traced once per example ({examples} copies; a static sequence length "
+        "lets it run unrolled and vectorized).", RuntimeWarning, stacklevel=4)
+    rows = [fn(tf.nest.map_structure(lambda e, i=i: e[i], elems)) for i in range(examples)]
+    return [tf.stack(column) for column in zip(*rows)]
 
 
 def per_example_map(fn, elems, output_signature, layer_name: str):
