@@ -93,3 +93,20 @@ def test_one_step_above_the_budget_says_so_and_what_to_change():
     assert "Raise noise_multiplier" in message and "smaller batch_size" in message
     assert "already spent" not in message
     assert int(model.privacy_ledger.steps.numpy()) == 0
+
+
+class SigmaPerBatch(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        self.model.optimizer.noise_multiplier = 2.0 + 0.01 * batch
+
+
+def test_a_sigma_set_after_the_budget_computed_its_limit_is_warned_about():
+    """A σ schedule listed after PrivacyBudget changes σ after the limit was computed, so
+    the step refuses every σ and nothing trains: warned. Listed before, every step runs."""
+    x, y = data()
+    model = fresh_model()
+    with pytest.warns(UserWarning, match="List PrivacyBudget after the callback that sets noise_multiplier"):
+        model.fit(x, y, batch_size=60, epochs=1, verbose=0, callbacks=[tf_dp.PrivacyBudget(1e6), SigmaPerBatch()])
+    assert int(model.privacy_ledger.steps.numpy()) == 0
+    model.fit(x, y, batch_size=60, epochs=1, verbose=0, callbacks=[SigmaPerBatch(), tf_dp.PrivacyBudget(1e6)])
+    assert int(model.privacy_ledger.steps.numpy()) == N // 60

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 
@@ -73,17 +75,30 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._limit_inputs = None  # what the current limit (or "never binds") was computed from
 
     def on_train_begin(self, logs=None):
-        self._allowed_steps, self._limit_inputs = None, None
+        self._allowed_steps, self._limit_inputs, self._warned = None, None, False
         self._check_budget(raise_if_spent=True)  # a clear error before training if nothing is left
 
     def on_train_batch_begin(self, batch, logs=None):
         # After every on_train_begin (a restored ledger, a phase re-opened with another q).
         self._check_budget()
+        self._before_batch = (self.model.optimizer.noise_multiplier, self._steps())
 
     def on_train_batch_end(self, batch, logs=None):
+        self._warn_if_blocked_by_a_later_sigma()
         self._check_budget()  # a σ changed by a callback, or a phase the step opened
         if self._allowed_steps is not None and self._steps() >= self._allowed_steps:
             self.model.stop_training = True
+
+    def _warn_if_blocked_by_a_later_sigma(self):
+        """A callback listed after this one that sets σ in ``on_train_batch_begin`` changes σ
+        after the limit was computed: the step refuses that σ, so nothing trains."""
+        sigma, steps = self._before_batch
+        blocked = self._steps() == steps and (self._allowed_steps is None or steps < self._allowed_steps)
+        if not self._warned and blocked and self.model.optimizer.noise_multiplier != sigma:
+            self._warned = True
+            warnings.warn("tf_dp: noise_multiplier was changed by a callback that runs after PrivacyBudget, after "
+                          "the step limit was computed for the previous σ: the step refused the new σ and released "
+                          "nothing. List PrivacyBudget after the callback that sets noise_multiplier.", stacklevel=2)
 
     def on_train_end(self, logs=None):
         reached = self._allowed_steps is not None and self._steps() >= self._allowed_steps
