@@ -62,7 +62,7 @@ def _ghost_squared_norms(model, loss, x, y, units) -> list:
             layers[:] = [layer for layer, _ in squared]
             return [value for _, value in squared]
 
-        values = tf.function(graph, autograph=False)(x, y)
+        values = tf.function(graph)(x, y)
         return list(zip(layers, values))
     x = as_graph_inputs(x)
     first = tf.nest.flatten(x)[0]
