@@ -37,7 +37,7 @@ vectorized_map on this model (segfault, 2026-11-30), so full tied training has n
 fallback engine until then. The default (LoRA, dense head) needs neither.
 
     python examples/dp_lm_finetune.py                       # ≈ 1.5 min on 2 cores, ε = 8:
-                                                            # perplexity 2066 → 203 (2026-11-30)
+                                                            # perplexity 2066 → 202 (2026-12-01)
     python examples/dp_lm_finetune.py --train_examples=0 --epochs=3 --target_epsilon=3
 """
 
