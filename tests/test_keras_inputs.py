@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import tf_dp
 from tf_dp.sampling.loader import poisson_loader
-from tf_dp.sampling.sources import ArraySource, dataset_source
+from tf_dp.sampling.sources import ArraySource, RecordSource, dataset_source
 
 LR, CLIP = 0.5, 0.3
 # Public text: the vocabulary is adapted on these sentences, never on the private examples
@@ -107,9 +107,10 @@ def test_text_classifier_validation_split_on_strings_trains_on_the_head_only():
 
 
 def test_a_string_model_that_mixes_rows_is_refused_by_the_guard():
+    """The guard changes one row to ANOTHER string (a real example), never a float perturbation."""
     model = _text_classifier(mixing=True)
-    with pytest.raises(ValueError, match="mixes examples"):
-        model.fit(TEXTS, LABELS, batch_size=4, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="mixes examples: changing example 0"):
+        model.fit(TEXTS.astype(object), LABELS, batch_size=4, epochs=1, verbose=0)
 
 
 def test_string_padding_rows_are_empty_and_never_a_real_example():
@@ -128,6 +129,9 @@ def test_string_padding_rows_are_empty_and_never_a_real_example():
     graph_source = dataset_source(tf.data.Dataset.from_tensor_slices((TEXTS, LABELS)).map(lambda t, y: (t, y)))
     x, _, _ = graph_source.graph_read(tf.constant([5, 2, 7], tf.int64), tf.constant([1.0, 0.0, 1.0]))
     assert list(x.numpy()) == [TEXTS[5].encode(), b"", TEXTS[7].encode()]
+    records = RecordSource([(str(t), label) for t, label in zip(TEXTS, LABELS)])  # records of Python str
+    x, _, _ = records.read(np.array([5, 2, 7]), np.array([1, 0, 1]))
+    assert list(x) == [TEXTS[5].encode(), b"", TEXTS[7].encode()]
 
 
 def test_train_on_batch_and_a_batched_dataset_of_strings_like_a_per_example_loop():
@@ -242,4 +246,34 @@ def test_lstm_seq2seq_fits_a_list_of_encoder_and_decoder_inputs_like_a_per_examp
     model.compile(optimizer=_no_noise(), loss=loss)
     expected = _clipped_step(model, [encoder_data, decoder_data], decoder_target, loss)
     model.fit([encoder_data, decoder_data], decoder_target, batch_size=count, epochs=1, verbose=0, sampling_seed=0)
+    _assert_weights(model, expected)
+
+
+class FeatureSpaceClassifier(tf_dp.DPModel):
+    """A dict-input model with a keras.utils.FeatureSpace inside (it cannot be called on
+    symbolic keras.Input tensors, so the model is subclassed)."""
+
+    def __init__(self, feature_space):
+        super().__init__()
+        self.feature_space, self.hidden, self.head = feature_space, keras.layers.Dense(4, activation="tanh"), \
+            keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.head(self.hidden(self.feature_space(inputs)))
+
+
+def test_feature_space_on_dict_columns_fits_like_a_per_example_loop():
+    keras.utils.set_random_seed(0)
+    space = keras.utils.FeatureSpace
+    feature_space = space(features={"city": space.string_categorical(num_oov_indices=1),
+                                    "rooms": space.integer_categorical(num_oov_indices=1),
+                                    "area": space.float_normalized()}, output_mode="concat")
+    public = {"city": np.array(["paris", "rome", "oslo", "rome"]), "rooms": np.array([1, 2, 3, 1]),
+              "area": np.array([0.3, 0.4, 0.5, 0.2], "float32")}
+    feature_space.adapt(tf.data.Dataset.from_tensor_slices(public))  # public rows: no private vocabulary or mean
+    model = FeatureSpaceClassifier(feature_space)
+    model.compile(optimizer=_no_noise(), loss=bce)
+    model(_row(COLUMNS, 0))  # built before the reference loop reads its weights
+    expected = _clipped_step(model, COLUMNS, LABELS, bce)
+    model.fit(COLUMNS, LABELS, batch_size=8, epochs=1, verbose=0, sampling_seed=0)
     _assert_weights(model, expected)
