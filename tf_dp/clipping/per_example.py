@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp.clipping.kernels import require_grouped_conv_kernels
-from tf_dp.clipping.layer_per_example import per_example_map
+from tf_dp.clipping.layer_per_example import per_example_map, unrolled_sublayers
 
 
 def per_example_gradients(
@@ -39,7 +39,8 @@ def per_example_gradients(
         return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, values)]
 
     signature = [tf.TensorSpec(v.shape, v.dtype) for v in values]
-    return per_example_map(one_example, (x, y), signature, model.name)  # map_fn where pfor cannot convert
+    with unrolled_sublayers(model):  # recurrent layers without a while loop: XLA compiles them inside the map
+        return per_example_map(one_example, (x, y), signature, model.name)  # map_fn where pfor cannot convert
 
 
 def _subset_gradients(model, per_example_loss, x, y, variables, values, indices) -> list[tf.Tensor]:
@@ -55,4 +56,5 @@ def _subset_gradients(model, per_example_loss, x, y, variables, values, indices)
         return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, watched)]
 
     signature = [tf.TensorSpec(values[j].shape, values[j].dtype) for j in indices]
-    return per_example_map(one_example, (x, y), signature, model.name)
+    with unrolled_sublayers(model):
+        return per_example_map(one_example, (x, y), signature, model.name)
