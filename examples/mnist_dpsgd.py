@@ -113,7 +113,9 @@ def model_and_inputs(data, x_train):
     if FLAGS.features == "pixels":
         return tutorial_cnn(FLAGS.activation, input_scaling(FLAGS.input_scaling, FLAGS.dataset)), x_train, data.x_test
     start = time.time()
-    train, test = tf_dp.features.scattering_features(x_train), tf_dp.features.scattering_features(data.x_test)
+    print(f"scattering features (J = 2, L = 8) of the {len(x_train)} training and {len(data.x_test)} test images:")
+    train = tf_dp.features.scattering_features(x_train, progress=True)
+    test = tf_dp.features.scattering_features(data.x_test, progress=True)
     print(f"scattering features of {len(train) + len(test)} images: {train.shape[1:]} each, {time.time() - start:.0f} s")
     return scatternet_cnn(FLAGS.activation), train, test
 
@@ -125,10 +127,20 @@ def dp_optimizer() -> tf_dp.DPSGD:
                        momentum=FLAGS.momentum, seed=noise_seed(), **averaging)
 
 
+class TestSetLogs(keras.callbacks.Callback):
+    """Names the per-epoch metrics of the (public) test set ``test_*`` instead of Keras'
+    ``val_*``: nothing is selected or tuned on them, and there is no validation split."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        for name in [k for k in (logs or {}) if k.startswith("val_")]:
+            logs["test_" + name[len("val_"):]] = logs.pop(name)
+
+
 def training_callbacks() -> list:
-    """Parameter averaging: validation on θ̄, training on θ (left in the model after fit)."""
+    """Parameter averaging (evaluation on θ̄, training on θ, left in the model after fit);
+    the test-set metrics logged as ``test_*`` (runs before Keras' progress bar prints)."""
     averaging = tf_dp.ParameterAveraging(start_step=FLAGS.ema_start_step, swap_at_end=False)
-    return [averaging] if FLAGS.ema_momentum > 0 else []
+    return ([averaging] if FLAGS.ema_momentum > 0 else []) + [TestSetLogs()]
 
 
 def test_accuracy(model, x_test, y_test) -> float:
