@@ -55,7 +55,7 @@ def without_recurrent_rule():
 
 def compiled(model, jit: bool, dp: bool):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    optimizer = tf_dp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=1) if dp else keras.optimizers.SGD(0.1)
+    optimizer = tf_dp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0) if dp else keras.optimizers.SGD(0.1)
     model.compile(optimizer=optimizer, loss=loss, jit_compile=jit)
     return model
 

@@ -195,3 +195,32 @@ def test_seq2seq_trains_with_train_on_batch_under_xla():
 
 def _io(model):
     return model.inputs, model.outputs
+
+
+class TwiceCalledLSTM(keras.layers.Layer):
+    """One LSTM on the batch and on a batch-free constant sequence (broadcast to the batch):
+    the batch-free call sends the layer to the per-example replay of both its calls."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lstm = keras.layers.LSTM(8)
+
+    def build(self, shape):
+        self.lstm.build(shape)
+
+    def call(self, x):
+        return self.lstm(x) + self.lstm(tf.ones([1, STEPS, 4]) * 0.3)
+
+
+def test_replay_of_a_rule_recording_includes_the_recurrent_kernel():
+    # The replay of a rule's recording returns its watched zx = xW + b, which alone has no
+    # U gradient: U's per-example gradient (3% of the norm here) would have gone missing.
+    inputs = keras.Input((STEPS, 4))
+    model = keras.Model(inputs, keras.layers.Dense(3)(TwiceCalledLSTM()(inputs)))
+    x, y, loss = _data("lstm", np.random.default_rng(6))
+    per_example = loop_per_example_gradients(model, x, y, loss)
+    squared_norms, sums = _clip(model, loss, x, y, 1e9, "ghost", False)
+    np.testing.assert_allclose(np.sqrt(squared_norms.numpy().astype(np.float64)), flat_norms(per_example), rtol=1e-5)
+    for v, total in enumerate(sums):
+        want = sum(g[v].astype(np.float64) for g in per_example)
+        np.testing.assert_allclose(total.numpy(), want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
