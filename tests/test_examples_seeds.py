@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # ~3.5 min CPU: 22 tiny trainings, each tracing a fresh model
+pytestmark = pytest.mark.slow  # ~3.5 min CPU: 24 tiny trainings, each tracing a fresh model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPT_IN_SEED = 2**40 + 7  # large, so the optimizers' small-seed warning stays out of the way
