@@ -64,7 +64,12 @@ class DPFitting:
         ``tfds.data_source`` is parsed in the graph with its builder's features spec
         (``tf_dp.data.tfds.parsed_source``: its supervised keys, or ``transform`` when it
         traces as TensorFlow ops). ``validation_split`` takes the last fraction of any
-        source's indices before sampling (N is the training part).
+        source's indices before sampling (N is the training part). Inputs are read as
+        Keras reads them: a list or tuple of arrays is one input per entry of a
+        multi-input model (``fit([x1, x2], y)``), a dict is named inputs, and text (numpy
+        str/bytes arrays, object arrays or lists of Python str, tf.string tensors) is a
+        fixed-shape tf.string column, e.g. for a TextVectorization or StringLookup inside
+        the model; a Poisson chunk's padding rows are empty strings with mask 0.
 
         An epoch is ⌈N/L⌉ steps. Batched datasets cannot be resampled: they are trained
         as given, averaged over the declared ``batch_size`` (default: the dataset's static

@@ -255,7 +255,9 @@ class ExampleSource:
 
 
 class ArraySource(ExampleSource):
-    """Columns ``x`` (an array or a nest of arrays) and ``y`` with one row per example."""
+    """Columns ``x`` (an array, or a list/tuple/dict of arrays: one per model input) and
+    ``y`` with one row per example. Text columns are held as object arrays of bytes
+    (tf.string rows; padding rows of a chunk are b"")."""
 
     def __init__(self, x, y, extras: Optional[dict] = None):
         if x is None or y is None:
