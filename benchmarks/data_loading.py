@@ -1,4 +1,4 @@
-"""Data loading at scale (issue 14): Poisson loader throughput against the DP step it feeds,
+"""Data loading at scale: Poisson loader throughput against the DP step it feeds,
 and peak RSS of `fit` on 1 GB / 4 GB on-disk ArrayRecord datasets vs a one-batch baseline.
 
     python benchmarks/data_loading.py                     # everything (writes ~5 GB to a temp dir, then deletes it)

@@ -1,4 +1,4 @@
-"""Issue 15 §1: a fair study of DP-SGD, DP-AdamW, DP-AdamBC, DiSK and FIBER.
+"""A fair study of DP-SGD, DP-AdamW, DP-AdamBC, DiSK and FIBER.
 
 Protocol (identical for every optimizer; docs/fiber_study.md has the results):
   * Same step budget T for every optimizer and ε; Poisson batches of expected size L;
@@ -402,7 +402,7 @@ def run_curves(task, data, epsilons):
                     **result})
 
 
-# Untuned first tries (issue 15 §2), scored on the validation split: κ = 0.7, γ = 0.5, ω = 0.5
+# Untuned first tries, scored on the validation split: κ = 0.7, γ = 0.5, ω = 0.5
 # throughout; DP-AdamBC and FIBER at lr = 1e-3 with the old and the new default variance floor;
 # DiSK and DP-AdamW at Keras' lr = 1e-3 and at 5e-3 (the study's tuned optimum at every ε on MNIST).
 DEFAULT_TRIES = {

@@ -1,5 +1,5 @@
-"""Issue 15 §1 "why": the filtered updates reimplemented from scratch in float64 numpy
-(ALGORITHMS §2–4, no tf_dp code), on a noisy quadratic whose per-coordinate signal-to-noise
+"""Why the study came out as it did: the filtered updates reimplemented from scratch in float64 numpy
+(docs/algorithms.md §2–4, no tf_dp code), on a noisy quadratic whose per-coordinate signal-to-noise
 ratio we control.
 
     f(θ) = ½ Σ_i h_i θ_i²,  h log-spaced in [h_min, 1],  θ_0 ~ N(0, I)

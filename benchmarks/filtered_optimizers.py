@@ -1,6 +1,6 @@
 """DP-SGD vs DP-AdamW vs DP-AdamBC vs DiSK vs FIBER on real data at ε ∈ {1, 4, 8}.
 
-SUPERSEDED by ``benchmarks/fiber_study.py`` (issue 15): this older study tuned 2 learning
+SUPERSEDED by ``benchmarks/fiber_study.py``: this older study tuned 2 learning
 rates once at ε = 4 and never tuned variance_floor, ω, κ or γ; its numbers carry no verdict.
 Kept for its plots of the MLP/3-epoch setting only.
 

@@ -1,4 +1,4 @@
-"""RaCO-DP fairness benchmark: demographic parity under differential privacy (ALGORITHMS §5).
+"""RaCO-DP fairness benchmark: demographic parity under differential privacy (docs/algorithms.md §5).
 
 Data sets (sensitive attribute; expected Poisson batch L; q = L/N_train):
   Adult (sex; 4096; 0.126), Taiwan credit default (sex; 3072; 0.128),

@@ -31,10 +31,10 @@ tied to the token embedding (``backbone.token_embedding(h, reverse=True)``, as
 
 Clipping engine: "ghost" (default). With ``--head=tied --train=full`` the token
 embedding is trained through both its lookup and ReversibleEmbedding(reverse=True): the
-ghost engine needs its shared-weight support for that (issue 13, being added to
-tf_dp.clipping); ``--clipping_engine=vectorized`` crashed inside TensorFlow's
-vectorized_map on this model (segfault, 2026-11-30), so full tied training has no
-fallback engine until then. The default (LoRA, dense head) needs neither.
+ghost engine's tied-embedding rule (``tf_dp.clipping.reversible_embedding``: lookup,
+projection and their cross term) covers that; ``--clipping_engine=vectorized`` crashed
+inside TensorFlow's vectorized_map on this model (segfault, 2026-11-30), so full tied
+training has no fallback engine. The default (LoRA, dense head) needs neither.
 
     python examples/dp_lm_finetune.py                       # ≈ 1.5 min on 2 cores, ε = 8:
                                                             # perplexity 2066 → 202 (2026-12-01)

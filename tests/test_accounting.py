@@ -9,7 +9,7 @@ from tf_dp.accounting import PrivacyLedger, calibrate_noise_multiplier, compute_
 
 
 def test_known_answers_rdp_and_pld():
-    # ALGORITHMS §1: N=60000, L=256, σ=1.1, 60 epochs (14063 steps), δ=1e-5.
+    # docs/algorithms.md §1: N=60000, L=256, σ=1.1, 60 epochs (14063 steps), δ=1e-5.
     assert steps_for(60000, 256, 60, None) == 14063
     assert compute_epsilon(60000, 256, 1.1, epochs=60, delta=1e-5) == pytest.approx(2.597, abs=0.01)
     assert compute_epsilon(60000, 256, 1.1, epochs=60, delta=1e-5, accountant="pld") == pytest.approx(2.382, abs=0.01)

@@ -1,4 +1,4 @@
-"""Augmentation multiplicity (ALGORITHMS §8, De et al. 2022): K views per sampled example,
+"""Augmentation multiplicity (docs/algorithms.md §8, De et al. 2022): K views per sampled example,
 u_i = (1/K) Σ_k ∇ℓ(θ; x_i^(k)) clipped ONCE — in both engines, against a per-example loop;
 K = 1 is today's step bit for bit; ε does not depend on K."""
 

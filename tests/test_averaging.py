@@ -1,4 +1,4 @@
-"""Parameter averaging (ALGORITHMS §9): θ̄ is the EMA of the recorded iterates, training and
+"""Parameter averaging (docs/algorithms.md §9): θ̄ is the EMA of the recorded iterates, training and
 the privacy ledger are untouched by it, and evaluation runs on θ̄ when asked."""
 
 import keras

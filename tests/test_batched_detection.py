@@ -1,4 +1,4 @@
-"""Issue 12 §5: whether a dataset's elements are examples or batches is decided from facts
+"""Whether a dataset's elements are examples or batches is decided from facts
 (the model's input rank, the dataset's batch transformations), never guessed from a shape.
 
 Guessing "unbatched" for batches turns every batch into one "example": N = number of

@@ -1,4 +1,4 @@
-"""Issue 15, calibration speed: ε from cached per-step RDP curves equals dp_accounting's
+"""Calibration speed: ε from cached per-step RDP curves equals dp_accounting's
 composition; σ calibration returns the original bisection's σ with a fraction of the
 accountant evaluations; step-count searches reuse one per-step curve.
 

@@ -1,5 +1,5 @@
 """Floating-point safety of clipping: no input makes an example's released contribution
-exceed C (ALGORITHMS §6, "Floating point").
+exceed C (docs/algorithms.md §6, "Floating point").
 
 A seeded search over crafted inputs — large activations that cancel across positions
 (x_t' = −x_t + δ), cancelling output gradients, huge and tiny scales, mixed signs, repeated

@@ -1,4 +1,4 @@
-"""Issue 15 §1: the study script's protocol on a smoke run (benchmarks/fiber_study.py --quick)."""
+"""The study script's protocol on a smoke run (benchmarks/fiber_study.py --quick)."""
 
 import functools
 import importlib.util

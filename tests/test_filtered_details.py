@@ -1,4 +1,4 @@
-"""Issue 15 §1b: three details of the filtered optimizers, checked against hand computations.
+"""Three details of the filtered optimizers, checked against hand computations.
 
 1. The look-ahead direction d_t = θ_t − θ_{t−1} uses θ_{t−1} from BEFORE Keras' decoupled
    weight decay (not (1 − ηλ)θ_{t−1}).
@@ -220,7 +220,7 @@ def test_correction_subtracts_the_time_varying_variance_the_filter_leaves(name):
         assert np.all(np.abs(got - want) <= tolerance), f"step {t}: {np.max(np.abs(got - want) / tolerance)}"
 
 
-# -- ablation options of the study (issue 15 §1): correction = "stationary" | "full", FIBER's EMA filter
+# -- ablation options of the study: correction = "stationary" | "full", FIBER's EMA filter
 
 @pytest.mark.parametrize("name", ["disk", "fiber"])
 @pytest.mark.parametrize("correction", ["stationary", "full"])

@@ -1,4 +1,4 @@
-"""A grain MapDataset as a random-access source of fit (issue 14): only the sampled indices
+"""A grain MapDataset as a random-access source of fit: only the sampled indices
 are read (through grain's own map), and the same sampling seed gives the same batches — so
 the same weights — as fit on the arrays the map computes."""
 

@@ -1,4 +1,4 @@
-"""Issue 12 §2: a loss must give one value per example, each depending on its row alone.
+"""A loss must give one value per example, each depending on its row alone.
 
 A loss reduced over the batch (or combining rows) makes every example's gradient depend on
 the others, so clipping no longer bounds one example's influence. Every built-in Keras

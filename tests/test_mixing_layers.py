@@ -1,4 +1,4 @@
-"""Issue 12 §11: layers that mix examples are refused, and padding rows are no example.
+"""Layers that mix examples are refused, and padding rows are no example.
 
 (a) validate() refuses the Keras layers that combine rows (MixUp, CutMix, BatchNorm),
     nested models included; (b) the padding rows of a Poisson chunk are zeros, not copies

@@ -1,4 +1,4 @@
-"""Issue 12: what a released artifact contains, and whether the ledger records what ran.
+"""What a released artifact contains, and whether the ledger records what ran.
 
 Each test compares with an independent computation (the bytes of the saved files,
 dp_accounting directly, a hand-computed worst case) and failed on the code before the fix.

@@ -1,4 +1,4 @@
-"""RaCO-DP accounting (ALGORITHMS §5): reference numbers, soundness, and the contrast with
+"""RaCO-DP accounting (docs/algorithms.md §5): reference numbers, soundness, and the contrast with
 the (invalid) separate composition that the paper's public code uses."""
 
 import math
@@ -14,7 +14,7 @@ from tf_dp.accounting import accountant as dp_sgd_accountant
 from tf_dp.raco import accounting as raco
 from tf_dp.raco import calibrate_noise_multiplier, calibrate_steps, compute_epsilon, joint_step_pld
 
-# ALGORITHMS §5 reference: Adult, batch 4096 (Poisson), σ = 4, Laplace b = 0.5 (scale 2), δ = 1e-4.
+# docs/algorithms.md §5 reference: Adult, batch 4096 (Poisson), σ = 4, Laplace b = 0.5 (scale 2), δ = 1e-4.
 ADULT = dict(num_examples=32561, batch_size=4096, noise_multiplier=4.0, histogram_noise=2.0, delta=1e-4)
 ADULT_Q = 4096 / 32561
 # The reference numbers are printed to 3 decimals (rounding error ≤ 5e-4); the computation is
@@ -84,8 +84,8 @@ def _true_remove_divergence(q, sigma, scale, eps):
 
 
 @pytest.mark.parametrize("q, sigma, scale, eps, documented", [
-    (0.3, 1.0, 1.0, 1.0, 0.0266),      # ALGORITHMS §5 Monte-Carlo, shared batch
-    (0.1365, 4.0, 2.0, 0.2, 2.8e-4),   # ALGORITHMS §5, the reference's noise
+    (0.3, 1.0, 1.0, 1.0, 0.0266),      # docs/algorithms.md §5 Monte-Carlo, shared batch
+    (0.1365, 4.0, 2.0, 0.2, 2.8e-4),   # docs/algorithms.md §5, the reference's noise
     (1.0, 1.0, 1.0, 1.0, None),        # no subsampling (symmetric PLD path)
     (0.05, 0.5, 0.3, 2.0, None),       # small noise, wide grid
 ])

@@ -1,5 +1,5 @@
 """Real architectures built from plain Keras layers: the ghost engine's norms and clipped
-sums equal a per-example loop's (issue 13: subclasses with their own call, batch-free
+sums equal a per-example loop's (subclasses with their own call, batch-free
 layers, layers with None outputs, recurrent layers, ops vectorized_map cannot convert)."""
 
 import keras

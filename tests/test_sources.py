@@ -1,4 +1,4 @@
-"""Random-access sources (issue 14): fit reads only the sampled examples, from any object
+"""Random-access sources: fit reads only the sampled examples, from any object
 with __len__/__getitem__, numpy.memmap, h5py-like arrays, datasets and TFRecord shards;
 the same seed gives the same batches and weights as arrays; bad records are named."""
 

@@ -1,4 +1,4 @@
-"""Any TFDS dataset on the fast path (issue 14): `fit(tfds.data_source(...))` parses the
+"""Any TFDS dataset on the fast path: `fit(tfds.data_source(...))` parses the
 sampled records in the graph with the builder's own features spec (tf_dp.data.tfds.parsed_source).
 Checked against TFDS' own Python decoding of the same records (source[i]) and against fit
 on arrays built from those records with the same sampling seed."""

@@ -1,4 +1,4 @@
-"""TFDS end to end offline (issue 14): MNIST from the registry package written to
+"""TFDS end to end offline: MNIST from the registry package written to
 ArrayRecord in a temporary data_dir, read back with tfds.data_source, Poisson-sampled by
 fit — the same seed gives the same batches and the same weights as the arrays path."""
 

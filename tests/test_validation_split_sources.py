@@ -1,4 +1,4 @@
-"""validation_split for random-access sources (issue 14): the last fraction of the indices
+"""Validation_split for random-access sources: the last fraction of the indices
 is carved off before sampling — N for the sampler and the accountant is the training part,
 a validation index is never sampled — and validates as Keras' split of arrays does."""
 

@@ -1,4 +1,4 @@
-"""Parameter averaging (ALGORITHMS §9): evaluate and export an exponential moving average
+"""Parameter averaging (docs/algorithms.md §9): evaluate and export an exponential moving average
 of the iterates, keep training the iterates themselves.
 
     θ̄_t = β θ̄_{t−1} + (1 − β) θ_t     for t > s,      θ̄_t = θ_t for t ≤ max(s, 1),

@@ -2,7 +2,7 @@
 
 Each Poisson-sampled step is ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``; steps
 compose. RDP is the default (tensorflow-privacy's convention), PLD is tighter.
-Known answer (ALGORITHMS §1): N=60000, L=256, σ=1.1, 60 epochs, δ=1e-5 → RDP 2.597,
+Known answer (docs/algorithms.md §1): N=60000, L=256, σ=1.1, 60 epochs, δ=1e-5 → RDP 2.597,
 PLD 2.382.
 
 Speed without changing a single result:

@@ -1,11 +1,11 @@
-"""Privacy accounting of RaCO-DP (ALGORITHMS §5).
+"""Privacy accounting of RaCO-DP (docs/algorithms.md §5).
 
 One RaCO-DP step reads ONE Poisson batch (rate q) twice: a Gaussian mechanism on the clipped
 gradient sum (noise multiplier σ, ℓ2 sensitivity 1 after dividing by the clip C) and a
 Laplace mechanism on the rate histogram (scale 1/b, ℓ1 sensitivity 1, so pure b-DP). The
 step is therefore ONE Poisson-subsampled mechanism whose base mechanism is the pair
 M = (Gaussian, Laplace). It is not the composition of a subsampled Gaussian with a separately
-subsampled Laplace (that understates δ at the reference noise, see ALGORITHMS §5).
+subsampled Laplace (that understates δ at the reference noise, see docs/algorithms.md §5).
 
 Notation (used throughout): with P = M(D ∪ {x}) and Q = M(D), the base privacy loss is
 Z = log(dP/dQ) = Z_G + Z_L, the two parts independent under P and under Q:

@@ -1,4 +1,4 @@
-"""Clip factors: ḡ_i = c_i g_i with c_i = min(1, C / ‖g_i‖₂) (ALGORITHMS §1 step 3)."""
+"""Clip factors: ḡ_i = c_i g_i with c_i = min(1, C / ‖g_i‖₂) (docs/algorithms.md §1 step 3)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ logits_iu = h_iu Eᵀ with inputs h_iu ∈ R^d and output gradients e_iu ∈ R^V
 
     ‖g_i‖² = Σ_{t,t'} [id_it = id_it'] (s_it·s_it')
            + Σ_{u,u'} (h_iu·h_iu')(e_iu·e_iu')
-           + 2 Σ_{t,u} e_iu[id_it] (h_iu·s_it)               (ALGORITHMS §6, the cross term)
+           + 2 Σ_{t,u} e_iu[id_it] (h_iu·s_it)               (docs/algorithms.md §6, the cross term)
 
 Two forms, chosen by size (as Dense's explicit and Gram forms):
 

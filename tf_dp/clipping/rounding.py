@@ -1,4 +1,4 @@
-"""Rounding-error bounds that make per-example norms safe to clip against (ALGORITHMS §6).
+"""Rounding-error bounds that make per-example norms safe to clip against (docs/algorithms.md §6).
 
 A clip factor c_i = C / max(U_i, C) bounds example i's released contribution c_i ĝ_i by C
 only if U_i ≥ ‖ĝ_i‖, ĝ_i being the per-example gradient as the clipped sum computes it.

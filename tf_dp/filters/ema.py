@@ -1,4 +1,4 @@
-"""DiSK's state filter (Zhang et al., ICLR 2025; ALGORITHMS §3).
+"""DiSK's state filter (Zhang et al., ICLR 2025; docs/algorithms.md §3).
 
     g̃_t = (1 − κ) g̃_{t−1} + κ ĝ_t
 

@@ -1,4 +1,4 @@
-"""FIBER's innovation filter (ALGORITHMS §4): a constant-velocity Kalman form with gain ω.
+"""FIBER's innovation filter (docs/algorithms.md §4): a constant-velocity Kalman form with gain ω.
 
     ν_t = ĝ_t − g̃_{t−1}            (innovation)
     r_t = (1 − ω) r_{t−1} + ω ν_t   (smoothed residual)

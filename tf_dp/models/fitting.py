@@ -5,7 +5,7 @@ Explicit batches (a batched dataset, ``train_on_batch``) cannot be resampled: ea
 accounted as a full Gaussian mechanism, and the noisy sum is divided by a DECLARED batch
 size L — ``batch_size=``, or the dataset's static batch dimension, or the first batch of a
 ``train_on_batch`` phase — never by each batch's realized size, which changes with the
-data under add/remove adjacency (ALGORITHMS §7).
+data under add/remove adjacency (docs/algorithms.md §7).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class DPFitting:
 
         ``augment(x, seed) -> x'``: per-example augmentation (TensorFlow ops on one example,
         stateless randomness from ``seed``), run in the input pipeline.
-        ``augmentation_multiplicity=K`` (ALGORITHMS §8): K views per sampled example — K
+        ``augmentation_multiplicity=K`` (docs/algorithms.md §8): K views per sampled example — K
         ``augment`` draws, or without ``augment`` K passes through the model's own random
         layers — whose gradients are averaged BEFORE clipping: one clipped vector per
         example, so the sensitivity stays C and ε is unchanged; compute grows with K.
@@ -154,7 +154,7 @@ class DPFitting:
             )
 
     def _augmentation_setting(self, augment, multiplicity) -> AugmentationViews:
-        """The views each sampled example contributes (augmentation multiplicity, ALGORITHMS §8)."""
+        """The views each sampled example contributes (augmentation multiplicity, docs/algorithms.md §8)."""
         multiplicity = _checks.positive_int("augmentation_multiplicity", multiplicity)
         if augment is not None and not callable(augment):
             raise TypeError(f"`augment` must be a callable augment(x, seed) -> x, got {augment!r}.")
@@ -357,7 +357,7 @@ def _static_batch_size(x) -> int:
     warnings.warn(
         f"tf_dp: train_on_batch without batch_size= divides this and later noisy sums by {size}, the size of this "
         "first batch, taken as a public constant: it must not depend on the data (under add/remove adjacency a "
-        "data-dependent size leaks, ALGORITHMS §7). Pass batch_size=L to declare it.", UserWarning, stacklevel=3)
+        "data-dependent size leaks, docs/algorithms.md §7). Pass batch_size=L to declare it.", UserWarning, stacklevel=3)
     return size
 
 

@@ -1,4 +1,4 @@
-"""The DP train step (ALGORITHMS §1): chunks → per-example clipped sums → noise → update → ledger.
+"""The DP train step (docs/algorithms.md §1): chunks → per-example clipped sums → noise → update → ledger.
 
 The batch arrives as Poisson-sampled chunks of static size P with a 0/1 mask (from
 ``fit``) or as an explicit batch; the clipping engine returns Σ_i c_i g_i over all chunks;
@@ -82,7 +82,7 @@ class DPTrainStep:
 
     def _unpack_dp_batch(self, data):
         """(x, y, mask, L) with x, y, mask shaped [chunks, P, ...]. L of an explicit batch is
-        the phase's declared batch size, never the batch's realized size (ALGORITHMS §7)."""
+        the phase's declared batch size, never the batch's realized size (docs/algorithms.md §7)."""
         if is_poisson_batch(data):
             y = self._weighted_targets(data["y"], poisson_sample_weight(data, getattr(self, "_fit_sample_weight", None)))
             return data["x"], y, data["mask"], data["expected_batch_size"][0]

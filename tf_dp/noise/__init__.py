@@ -1,4 +1,4 @@
-"""Noise: the Gaussian mechanism's draw (ALGORITHMS §1 step 4) and RaCO-DP's Laplace,
+"""Noise: the Gaussian mechanism's draw (docs/algorithms.md §1 step 4) and RaCO-DP's Laplace,
 keyed by a secret that is never saved (``key``) and a counter that never repeats."""
 
 from tf_dp.noise.gaussian import add_gaussian_noise

@@ -1,4 +1,4 @@
-"""DiSK (Zhang et al., ICLR 2025; ALGORITHMS §3): simplified Kalman filtering of ĝ.
+"""DiSK (Zhang et al., ICLR 2025; docs/algorithms.md §3): simplified Kalman filtering of ĝ.
 
     u_i = c ∇ℓ(θ_t + γd_t; x_i) + (1 − c) ∇ℓ(θ_t; x_i),  c = (1 − κ)/(κγ)
     ĝ_t = (Σ_i clip_C(u_i) + N(0, σ²C²I)) / L

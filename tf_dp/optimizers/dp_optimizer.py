@@ -2,7 +2,7 @@
 
 A DP optimizer never sees raw gradients. The model (``tf_dp.DPModel``) hands it the SUM
 of per-example clipped gradients Σ_i ḡ_i; the optimizer applies the Gaussian mechanism
-and the average of ALGORITHMS §1 steps 4–5,
+and the average of docs/algorithms.md §1 steps 4–5,
 
     ĝ = (Σ_i ḡ_i + N(0, σ²C² I)) / L,
 

@@ -1,4 +1,4 @@
-"""DP-Adam, optionally with the noise-bias correction of DP-AdamBC (ALGORITHMS §2)."""
+"""DP-Adam, optionally with the noise-bias correction of DP-AdamBC (docs/algorithms.md §2)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tf_dp import _checks
 from tf_dp.optimizers.dp_optimizer import DPOptimizer
 from tf_dp.optimizers.noise_bias_correction import corrected_adam_direction
 
-# Issue 15 study (docs/fiber_study.md): in the noise-dominated DP regime most coordinates sit at
+# study (docs/fiber_study.md): in the noise-dominated DP regime most coordinates sit at
 # the floor, where the bias-corrected step is lr·m̂/√floor; accuracy then follows lr/√floor,
 # best ≈ 0.4 for DP-AdamBC and FIBER on MNIST at ε = 0.5. 5e-6 puts the default lr = 1e-3 at
 # 0.45 (the untuned DP-AdamBC: 71.5 % validation accuracy, vs 10.7 % with the old 5e-8).

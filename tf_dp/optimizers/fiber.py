@@ -1,4 +1,4 @@
-"""FIBER: filter-aware innovation bias-corrected AdamW (ALGORITHMS §4).
+"""FIBER: filter-aware innovation bias-corrected AdamW (docs/algorithms.md §4).
 
 Observation: DiSK's two-point u_i, privatized as ĝ_t = (Σ_i clip_C(u_i) + N(0, σ²C²I))/L;
 (κ, γ) set only the observation geometry. Denoising by the innovation filter with gain ω:
@@ -16,7 +16,7 @@ A(ω) = (2 − ω)/(4 − 3ω) within a few 1/ω steps.
 
 ω = 1 with a one-point observation (κ = 1) is DP-AdamBC; without the correction, DP-AdamW.
 
-Ablation options (issue 15's study): ``filter="ema"`` replaces the innovation filter by
+Ablation options (the optimizer study, docs/fiber_study.md): ``filter="ema"`` replaces the innovation filter by
 DiSK's EMA with gain ω, g̃_t = (1 − ω) g̃_{t−1} + ω ĝ_t (A_t → ω/(2 − ω)), keeping (κ, γ) for
 the observation only; ``correction="stationary"`` subtracts A·σ_w² from the first step and
 ``"full"`` the whole σ_w² (DP-AdamBC's correction); ``noise_bias_correction=False`` none.

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tf_dp import _checks
 
-# What the filtered optimizers subtract from v̂ (study ablations, issue 15): the exact A_t of
+# What the filtered optimizers subtract from v̂ (study ablations): the exact A_t of
 # the filter started at zero (default), its stationary A from the first step, or the full
 # σ_w² of the unfiltered ĝ (DP-AdamBC's correction, ignoring the filter).
 CORRECTIONS = ("transient", "stationary", "full")

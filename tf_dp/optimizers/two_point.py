@@ -1,4 +1,4 @@
-"""The two-point observation of DiSK and FIBER (ALGORITHMS §3):
+"""The two-point observation of DiSK and FIBER (docs/algorithms.md §3):
 
     u_i = c · ∇ℓ(θ_t + γ d_t; x_i) + (1 − c) · ∇ℓ(θ_t; x_i),   d_t = θ_t − θ_{t−1},
     c = (1 − κ) / (κ γ),

@@ -1,4 +1,4 @@
-"""RaCO-DP (ALGORITHMS §5): private rate-constrained optimization (fairness and others).
+"""RaCO-DP (docs/algorithms.md §5): private rate-constrained optimization (fairness and others).
 
 constraints → noisy histogram (Laplace on the Poisson batch) → primal DP-SGD step on each
 example's Lagrangian term + dual ascent on λ → joint (Gaussian, Laplace) accounting.

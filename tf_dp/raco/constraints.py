@@ -1,4 +1,4 @@
-"""Rate constraints read off a (noisy) per-(partition, class) histogram (ALGORITHMS §5).
+"""Rate constraints read off a (noisy) per-(partition, class) histogram (docs/algorithms.md §5).
 
 Partition q of an example is its group z, or (z, y) when a constraint needs labels. With
 Ĥ[q, k] the histogram of softmax mass and N̂_q = Σ_k Ĥ[q, k], every constraint is a sum of

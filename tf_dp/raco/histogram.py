@@ -1,4 +1,4 @@
-"""The noisy histogram of RaCO-DP (ALGORITHMS §5).
+"""The noisy histogram of RaCO-DP (docs/algorithms.md §5).
 
 H[q, k] = Σ_{i ∈ B ∩ D_q} p_k(x_i): adding or removing one example changes one row by a
 probability vector, so ‖ΔH‖₁ ≤ 1 and Ĥ = H + Laplace(1/b) per cell is b-DP on the batch.

@@ -1,4 +1,4 @@
-"""RaCO-DP: private rate-constrained training by a primal-dual train step (ALGORITHMS §5).
+"""RaCO-DP: private rate-constrained training by a primal-dual train step (docs/algorithms.md §5).
 
 Each step, on one Poisson batch:
   1. Ĥ = H + Laplace(1/b): the histogram of tempered softmax outputs per (partition, class);

@@ -2,7 +2,7 @@
 
     index stream (Python, cheap)      step t → PoissonSampler.batch(t) = (indices, mask) [chunks, P]
       → read (tf.data map, parallel)   only the masked-in indices are read from the source
-      → augment (tf.data map, parallel) optional per-example augmentation, K views (ALGORITHMS §8)
+      → augment (tf.data map, parallel) optional per-example augmentation, K views (docs/algorithms.md §8)
       → {x, y, mask, expected_batch_size, **extras}, x shaped [chunks, P, (K,) ...]
 
 Batch t is a function of (seed, t) alone and the stream restarts at ``first_step()`` (the

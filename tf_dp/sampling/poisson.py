@@ -1,4 +1,4 @@
-"""Poisson batch selection with static shapes (ALGORITHMS §1 step 1).
+"""Poisson batch selection with static shapes (docs/algorithms.md §1 step 1).
 
 Each step every example joins the batch independently with probability q = L/N — the
 sampling the accountant assumes. The realized batch (size k ~ Binomial(N, q)) is laid out

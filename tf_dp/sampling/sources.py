@@ -1,6 +1,6 @@
 """Example sources for Poisson sampling: only the sampled examples are ever read.
 
-Poisson sampling (ALGORITHMS §1) draws INDICES; a source turns the indices of one batch
+Poisson sampling (docs/algorithms.md §1) draws INDICES; a source turns the indices of one batch
 into rows. Whatever the source, memory grows with the batch, never with the number of
 examples N, unless the data were handed over in memory in the first place:
 
