@@ -10,6 +10,7 @@ i depends only on input row i (layers that mix examples are refused by the model
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import keras
@@ -160,6 +161,40 @@ def unrolled_recurrence(layer, args):
         yield True
     finally:
         layer.unroll = False
+
+
+@contextlib.contextmanager
+def unrolled_sublayers(model):
+    """While a per-example map of ``model`` is traced, each recurrent layer in it runs
+    unrolled in every call whose number of steps is static (as ``unrolled_recurrence``):
+    its ``call`` is wrapped per instance and restored after."""
+    wrapped = []
+    for layer in model._flatten_layers(include_self=True):
+        if isinstance(layer, keras.layers.RNN) and not layer.unroll:
+            own = layer.__dict__.get("call")
+            wrapped.append((layer, own))
+            object.__setattr__(layer, "call", _unrolling_call(layer, own or type(layer).call.__get__(layer)))
+    try:
+        yield
+    finally:
+        for layer, own in wrapped:
+            if own is None:
+                layer.__dict__.pop("call", None)
+            else:
+                object.__setattr__(layer, "call", own)
+
+
+def _unrolling_call(layer, call):
+    @functools.wraps(call)
+    def unrolling(sequences, *args, **kwargs):
+        static = tf.is_tensor(sequences) and sequences.shape.rank is not None and sequences.shape.rank >= 2 \
+            and sequences.shape[1] is not None
+        layer.unroll = static
+        try:
+            return call(sequences, *args, **kwargs)
+        finally:
+            layer.unroll = False
+    return unrolling
 
 
 def _python_loop_map(fn, elems, output_signature, layer):
