@@ -170,7 +170,8 @@ def test_recurrent_replay_with_unknown_steps_under_xla_warns_and_is_exact():
 def test_slow_path_warning_names_the_replayed_layers_once_per_model():
     model = _stacked_rnn()
     x, y, loss = _data("lstm", np.random.default_rng(4))
-    with pytest.warns(UserWarning, match=r"slow per-example path.*layer 'stacked' \(RNN\): roughly P=6 times") as caught:
+    slow = r"slow per-example path.*layer 'stacked' \(RNN\): roughly P=6 times"
+    with pytest.warns(UserWarning, match=slow) as caught:
         clipped_gradient_sum(model, loss, tf.constant(x), tf.constant(y), tf.ones(BATCH), 1.0)
     assert len([w for w in caught if "slow per-example path" in str(w.message)]) == 1
     assert "dense" not in str([w.message for w in caught if "slow" in str(w.message)][0])

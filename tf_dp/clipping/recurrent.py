@@ -82,7 +82,9 @@ class RecurrentRule(GhostRule):
 
     def applies_to(self, layer) -> bool:
         cell = getattr(layer, "cell", None)
-        if type(layer) not in _LAYERS or not _kind(cell) or getattr(layer, "stateful", False) or not getattr(cell, "built", False):
+        if type(layer) not in _LAYERS or not _kind(cell) or getattr(layer, "stateful", False):
+            return False
+        if not getattr(cell, "built", False):
             return False
         return all(v.trainable for v in cell._trainable_variables) and len(cell._trainable_variables) == len(
             self.variables(layer))
@@ -158,7 +160,8 @@ class RecurrentRule(GhostRule):
 def _gru_reset_after(cell, inputs, previous, resets, grads) -> RecurrentContribution:
     """W, b_in from (x, s); U, b_rec from (h_{t-1}, [s^z, s^r, r ⊙ s^h̃])."""
     units = cell.units
-    recurrent_grads = [tf.concat([g[:, :, :2 * units], r * g[:, :, 2 * units:]], axis=-1) for g, r in zip(grads, resets)]
+    recurrent_grads = [tf.concat([g[:, :, :2 * units], r * g[:, :, 2 * units:]], axis=-1)
+                       for g, r in zip(grads, resets)]
     parts = [dense_contribution(inputs, grads, cell.use_bias),
              dense_contribution(previous, recurrent_grads, cell.use_bias)]
 
