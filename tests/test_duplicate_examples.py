@@ -2,7 +2,8 @@
 separately, so the example moves the noisy sum by k·C while the step is accounted at C (a
 repeat/concatenate upstream of .batch()); a random-access source that repeats its records
 counts one person k times in N. ``ds.batch(L).repeat()`` keeps each batch duplicate-free and
-stays allowed."""
+stays allowed. A map that copies values (``ds.batch(L).map(lambda b: concat([b, b]))``) cannot be
+told from any other map: a batched dataset must present each example at most once per batch."""
 
 import keras
 import numpy as np
@@ -55,6 +56,19 @@ DUPLICATING = {
     "batch.repeat.unbatch.batch": (lambda: rows().batch(8).repeat(3).unbatch().batch(2 * N), r"repeat\(3\)"),
     "zip(skip)": (lambda: tf.data.Dataset.zip((rows().map(lambda a, b: a), rows().skip(1).map(lambda a, b: b))).batch(L),
                   "zip"),
+    # A one-to-many map before unbatch, datasets built from tensors inside a flat_map, and a batch of repeated
+    # batches (an attacker's review found these accepted):
+    "map(stack twice).unbatch.batch": (lambda: rows().map(lambda a, b: (tf.stack([a, a]), tf.stack([b, b])))
+                                       .unbatch().batch(L), "unbatch"),
+    "flat_map(from_tensor_slices of a stacked pair)": (lambda: rows().flat_map(
+        lambda a, b: tf.data.Dataset.from_tensor_slices((tf.stack([a, a]), tf.stack([b, b])))).batch(L),
+        "builds a dataset from tensors"),
+    "flat_map(from_tensors.concatenate)": (lambda: rows().flat_map(
+        lambda a, b: tf.data.Dataset.from_tensors((a, b)).concatenate(tf.data.Dataset.from_tensors((a, b)))).batch(L),
+        "builds a dataset from tensors"),
+    "batch.repeat.rebatch": (lambda: rows().take(8).batch(8).repeat(2).rebatch(L), r"after repeat\(\)"),
+    "batch.repeat.batch": (lambda: rows().take(8).batch(8).repeat(2).batch(2).map(
+        lambda a, b: (tf.reshape(a, [-1, FEATURES]), tf.reshape(b, [-1]))), r"after repeat\(\)"),
 }
 
 

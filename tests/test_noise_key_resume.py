@@ -146,3 +146,54 @@ def test_set_seed_arguments_are_checked():
         optimizer.set_seed(SEED, allow_resume="yes")
     with pytest.raises(ValueError, match="allow_resume"):
         optimizer.set_seed(None, allow_resume=True)
+
+
+# -- a callback that rolls the ledger back or sets a seed DURING fit (an attacker's review found the
+# guard ran only at the first batch): the guard now runs before every execution of the train function.
+def _rollback_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = tf_dp.DPModel(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer=tf_dp.DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=1000.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_rollback_inside_fit_redraws_no_released_noise(tmp_path):
+    """Independent check: the update drawn at step 2 on the first pass and again after a
+    mid-fit load_weights (ledger 4 → 2) must carry independent noise: their difference has norm
+    ≈ √2·σC·lr/L·√8 ≈ 500 (kernel 4×2), not ≤ 2C·lr/L = 0.25 (the same noise, cancelled)."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    path, kernels = str(tmp_path / "at_step_2.weights.h5"), {}
+
+    class Rollback(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            kernels.setdefault(int(self.model.privacy_ledger.steps.numpy()), []).append(
+                self.model.get_weights()[0].copy())
+            if batch == 1:
+                self.model.save_weights(path)
+            if batch == 3:
+                self.model.load_weights(path)
+
+    model = _rollback_model()
+    model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=6, verbose=0, callbacks=[Rollback()])
+    first, second = (k - kernels[2][0] for k in kernels[3][:2])
+    assert np.linalg.norm(first - second) > 50.0
+
+
+def test_a_seed_set_by_a_callback_inside_fit_on_a_trained_model_is_refused():
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    model = _rollback_model()
+    model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, verbose=0)
+
+    class Reseed(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0:
+                self.model.optimizer.seed = 2**40 + 7
+
+    before = int(model.privacy_ledger.steps.numpy())
+    with pytest.raises(ValueError, match="seeded resume"):
+        model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[Reseed()])
+    assert int(model.privacy_ledger.steps.numpy()) == before

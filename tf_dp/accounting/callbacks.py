@@ -19,28 +19,23 @@ class PrivacyReport(keras.callbacks.Callback):
     restored by a later callback's ``on_train_begin`` (BackupAndRestore) is extended, not
     overwritten, and re-keys the noise if the restored ledger is behind steps this key has
     already drawn noise for (no two released steps may share a draw); a seeded key on a
-    resumed ledger is refused there, before any noise is drawn."""
+    resumed ledger is refused there, before any noise is drawn. The same guard runs again
+    before every execution of the train function (``DPTrainStep.make_train_function``), so a
+    callback that rolls the ledger back or sets a seed mid-fit is caught too."""
 
     def on_train_begin(self, logs=None):
         self._first_batch = True
-        self._batches_done = 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model.nonfinite_examples.assign(0.0)
-        self._epoch_start = self._batches_done
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._first_batch:  # after every on_train_begin (a restored ledger)
             self._first_batch = False
             self.model.reopen_phase()
             ledger = self.model.privacy_ledger
-            self._first_step = int(ledger.steps.numpy())
-            self.model.optimizer.guard_noise_counter(self._first_step, ledger)
+            self.model.optimizer.guard_noise_counter(int(ledger.steps.numpy()), ledger)
 
-    def on_train_batch_end(self, batch, logs=None):
-        # An upper bound on the steps that drew noise, counted without reading the ledger.
-        self._batches_done = self._epoch_start + batch + 1
-        self.model.optimizer.record_noise_counter(self._first_step + self._batches_done)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:

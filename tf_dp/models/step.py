@@ -51,18 +51,27 @@ class DPTrainStep:
         return {**self._step_logs(), **for_multi_worker_reduce({REFUSED_LOG: ledger.refused_steps()})}
 
     def make_train_function(self, force=False):
-        """Keras' train function, followed on the host by the ledger's check: a step the
-        ledger could not record released nothing, and training stops right after it."""
+        """Keras' train function between two host checks.
+
+        Before every execution — after every callback has run, so whatever a callback did
+        (``load_weights`` of an older file, a new seed) is seen — the noise key is guarded
+        against the ledger's current count (re-keyed on a rollback, a seeded resume refused:
+        no (key, step) pair draws noise twice); after it, the steps drawn are recorded and a
+        step the ledger could not record (it released nothing) stops training.
+        """
         super().make_train_function(force)
         function = self.train_function
         if getattr(function, "checks_the_ledger", False):
             return function
 
         def train_function_then_check_the_ledger(*args, **kwargs):
+            ledger, optimizer = self.privacy_ledger, self.optimizer
+            optimizer.guard_noise_counter(int(ledger.steps.numpy()), ledger)
             logs = function(*args, **kwargs)
+            optimizer.record_noise_counter(int(ledger.steps.numpy()))
             refused = logs.pop(REFUSED_LOG, None) if isinstance(logs, dict) else None
             if refused is None or np.any(np.asarray(refused) > 0):  # None: a train_step of its own
-                self.privacy_ledger.raise_if_refused()
+                ledger.raise_if_refused()
             return logs
 
         train_function_then_check_the_ledger.checks_the_ledger = True

@@ -146,7 +146,34 @@ def duplicating_idioms(dataset: tf.data.Dataset, batched: bool) -> list:
     found += [_captured_dataset_idiom(graph, node) for node in region if node.op.startswith(_FLAT_MAPS)]
     if any(node.op.startswith("RepeatDataset") for node in graph.functions):
         found.append("a repeat() inside a flat_map/interleave function")
+    found += [_expanding_flat_map_idiom(graph, node) for node in region if node.op.startswith(_FLAT_MAPS)]
+    if batched:
+        found += [_batches_merged_idiom(graph, node) for node in nodes if _is_batch(node.op)]
+        if any("unbatch" in node.op.lower() for node in nodes):
+            found.append("unbatch() in a batched pipeline (a map before it can turn one example into several rows)")
     return sorted({idiom for idiom in found if idiom})
+
+
+# Source and combining datasets that a flat_map/interleave function can use to yield an element
+# (or its parts) more than once; a file reader (TFRecordDataset, ...) yields each record once.
+_EXPANDING_OPS = ("TensorSliceDataset", "TensorDataset", "ConcatenateDataset", "ZipDataset", "RangeDataset")
+
+
+def _expanding_flat_map_idiom(graph: _Graph, node) -> Optional[str]:
+    """A flat_map/interleave whose function builds datasets from tensors (``from_tensor_slices``
+    of a stacked element, ``from_tensors(e).concatenate(...)``): it can yield one example twice."""
+    function = graph.library.get(node.attr["f"].func.name) if "f" in node.attr else None
+    if function is not None and any(n.op.startswith(_EXPANDING_OPS) for n in function.node_def):
+        return "flat_map/interleave whose function builds a dataset from tensors (it can yield an example twice)"
+    return None
+
+
+def _batches_merged_idiom(graph: _Graph, node) -> Optional[str]:
+    """A batch/rebatch downstream of a repeat: ``ds.batch(L).repeat().rebatch(2L)`` merges
+    copies of one batch into one (a repeat is allowed only on batches that stay batched)."""
+    if any(n.op.startswith("RepeatDataset") for n in graph.upstream(graph.inputs(node))):
+        return "a batch()/rebatch() after repeat() (it merges repeated batches into one)"
+    return None
 
 
 # Python dataset classes that present each input element at most once and build no dataset in a function.
@@ -171,11 +198,21 @@ def _plainly_duplicate_free(dataset, batched: bool) -> bool:
         name = type(node).__name__
         if name not in _PLAIN and not (batched and name == "_RepeatDataset" and _python_on_batches(node)):
             return False
+        if name in _PLAIN_BATCHES and _python_repeat_upstream(node):
+            return False  # a batch of repeated batches: the graph decides
         try:
             stack.extend(node._inputs())
         except Exception:  # noqa: BLE001 — an unknown dataset class: the graph decides
             return False
     return True
+
+
+def _python_repeat_upstream(node) -> bool:
+    try:
+        inputs = node._inputs()
+    except Exception:  # noqa: BLE001 — an unknown dataset class
+        return True
+    return any(type(n).__name__ == "_RepeatDataset" or _python_repeat_upstream(n) for n in inputs)
 
 
 def _python_on_batches(node) -> bool:
