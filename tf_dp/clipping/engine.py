@@ -70,7 +70,7 @@ CURRENT_WEIGHTS = (EvaluationPoint(1.0),)
 
 @dataclass(frozen=True)
 class AugmentationViews:
-    """Augmentation multiplicity (ALGORITHMS §8): u_i = (1/K) Σ_k ∇ℓ(θ; x_i^(k)), clipped once.
+    """Augmentation multiplicity (docs/algorithms.md §8): u_i = (1/K) Σ_k ∇ℓ(θ; x_i^(k)), clipped once.
 
     Each view is an evaluation point at the same weights with coefficient 1/K, so the ghost
     engine's per-layer recordings of the K passes are concatenated and the cross terms

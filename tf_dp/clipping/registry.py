@@ -4,7 +4,7 @@ A rule turns what one forward/backward pass records for a layer — its inputs a
 gradient of Σ_i ℓ_i with respect to its (pre-activation) output — into, for every example
 i, the squared norm ‖∂ℓ_i/∂θ_layer‖² and, given clip factors c_i, the clipped sum
 Σ_i c_i ∂ℓ_i/∂θ_layer. Ghost rules do both without materialising per-example gradients
-(ALGORITHMS §6, book-keeping of Bu et al. 2023). Layers without a rule fall back to
+(docs/algorithms.md §6, book-keeping of Bu et al. 2023). Layers without a rule fall back to
 ``tf.vectorized_map`` over that layer alone.
 
 Add a rule for your own layer with ``register_ghost_rule(MyLayer, MyRule())``.
