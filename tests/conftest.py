@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -58,3 +59,17 @@ def small_dp_classifier(features: int, classes: int, sigma: float, engine: str =
     model.compile(optimizer=tf_dp.DPSGD(0.2, l2_norm_clip=0.5, noise_multiplier=sigma, seed=3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), clipping_engine=engine)
     return model
+
+
+SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks `slow` the tests listed in slow_tests.txt (those that took > 20 s in a full run on 2
+    cores; regenerate it from `--durations=0`): `bash scripts/test.sh --fast` leaves them out."""
+    if not SLOW_TESTS.exists():
+        return
+    slow = {line.strip() for line in SLOW_TESTS.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in slow or item.nodeid.split("[")[0] in slow:
+            item.add_marker(pytest.mark.slow)

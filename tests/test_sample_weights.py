@@ -215,3 +215,26 @@ def test_batched_dataset_of_x_y_w_equals_train_on_batch_and_validation_split_kee
                         batch_size=10, epochs=1, verbose=0)
     weighted_tail = model.evaluate(x[30:], y[30:], sample_weight=np.linspace(0, 1, n)[30:], verbose=0)
     assert np.isclose(history.history["val_loss"][0], weighted_tail, rtol=1e-5)
+
+
+def test_class_weights_weigh_the_loss_but_metrics_count_examples_as_in_keras():
+    """Plain Keras' TruePositives/FalseNegatives with class_weight report counts; so must DP fit
+    (q = 1: every example in the one batch; lr 0, σ 0: the weights do not move)."""
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+    y = (x[:, 0] > 0).astype("float32")
+
+    def history(private):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(1, activation="sigmoid")(inputs)
+        model = (tf_dp.DPModel if private else keras.Model)(inputs, outputs)
+        optimizer = tf_dp.DPSGD(0.0, l2_norm_clip=1.0, noise_multiplier=0.0) if private else keras.optimizers.SGD(0.0)
+        model.compile(optimizer=optimizer, loss=keras.losses.BinaryCrossentropy(),
+                      metrics=[keras.metrics.TruePositives(name="tp"), keras.metrics.FalseNegatives(name="fn")])
+        extra = {} if private else {"shuffle": False}
+        logs = model.fit(x, y, batch_size=64, epochs=1, verbose=0, class_weight={0: 1.0, 1: 10.0}, **extra).history
+        return logs["tp"][-1], logs["fn"][-1]
+
+    plain = history(private=False)
+    assert sum(plain) == y.sum()  # counts of the positive examples
+    assert history(private=True) == plain

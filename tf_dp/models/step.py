@@ -195,9 +195,10 @@ class DPTrainStep:
         return unpack_targets(y)[0]
 
     def _metric_weights(self, y, mask):
-        """Metric weights: the 0/1 padding mask times the examples' sample weights, if any."""
+        """Metric weights: the 0/1 padding mask times the examples' sample weights, if any.
+        Class weights weigh the loss only: metrics count examples, as in Keras."""
         _, sample_weight = unpack_targets(y)
-        if sample_weight is None:
+        if sample_weight is None or getattr(self, "_class_weight_table", None) is not None:
             return mask
 
         def times_mask(weight):
