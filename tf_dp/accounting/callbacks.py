@@ -17,11 +17,9 @@ class PrivacyReport(keras.callbacks.Callback):
 
     Before the first step it re-records the running phase in the ledger, so that a ledger
     restored by a later callback's ``on_train_begin`` (BackupAndRestore) is extended, not
-    overwritten, and re-keys the noise if the restored ledger is behind steps this key has
-    already drawn noise for (no two released steps may share a draw); a seeded key on a
-    resumed ledger is refused there, before any noise is drawn. The same guard runs again
-    before every execution of the train function (``DPTrainStep.make_train_function``), so a
-    callback that rolls the ledger back or sets a seed mid-fit is caught too."""
+    overwritten. The noise key is guarded (re-keyed on a rollback, a seeded resume refused)
+    before every execution of the train function, after all callbacks
+    (``DPTrainStep.make_train_function``)."""
 
     def on_train_begin(self, logs=None):
         self._first_batch = True
@@ -33,8 +31,6 @@ class PrivacyReport(keras.callbacks.Callback):
         if self._first_batch:  # after every on_train_begin (a restored ledger)
             self._first_batch = False
             self.model.reopen_phase()
-            ledger = self.model.privacy_ledger
-            self.model.optimizer.guard_noise_counter(int(ledger.steps.numpy()), ledger)
 
 
     def on_epoch_end(self, epoch, logs=None):

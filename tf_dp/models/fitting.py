@@ -229,10 +229,8 @@ class DPFitting:
         if not self.built:
             self._prebuild(x, y)
         self._build_optimizer()
-        self.optimizer.guard_noise_counter(int(self.privacy_ledger.steps.numpy()), self.privacy_ledger)
-        logs = super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
-        self.optimizer.record_noise_counter(int(self.privacy_ledger.steps.numpy()))
-        return logs
+        # The noise key is guarded by the train function itself (DPTrainStep.make_train_function).
+        return super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
     def _poisson_stream(self, source, num_examples, batch_size, physical_batch_size, sampling_seed, steps_taken,
                         augment=None, views: AugmentationViews = ONE_VIEW):
