@@ -23,7 +23,7 @@ from tf_dp import _checks
 from tf_dp.accounting import calibrate_noise_multiplier
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
 from tf_dp.clipping.engine import ONE_VIEW, AugmentationViews
-from tf_dp.data.tfds import source_for_fit as tfds_source_for_fit
+from tf_dp.sampling.tfds_sources import source_for_fit as tfds_source_for_fit
 from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset, is_batched_dataset, num_rows,
                                poisson_dataset, refuse_batched_records, refuse_duplicating_batches)
 from tf_dp.models.losses import without_unused_targets

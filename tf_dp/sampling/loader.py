@@ -37,7 +37,7 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
                    seed: Optional[int] = None, secure: bool = False, chunk_multiple: int = 1,
                    replica_slots: Optional[range] = None, first_step: Optional[Callable[[], int]] = None,
                    augment: Optional[Callable] = None, views: int = 1,
-                   augment_seed: Optional[int] = None) -> tf.data.Dataset:
+                   augment_seed: Optional[int] = None, scheme=None) -> tf.data.Dataset:
     """Endless dataset of Poisson batches of ``source`` (see the module docstring).
 
     Under tf.distribute the chunk count is padded (with empty chunks) to a multiple of
@@ -47,9 +47,15 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
     ``augment(x, seed) -> x'`` (TensorFlow ops on ONE example's x; ``seed`` a [2] int32
     tensor for tf.random.stateless_* ops) is applied ``views`` times per example with
     seeds derived from (augment_seed, t, example index, view): with views > 1 the x leaves
-    get a view axis after the batch axis, [chunks, P, K, ...]."""
-    sampler = PoissonSampler(len(source), batch_size, physical_batch_size, seed, secure=secure,
-                             chunk_multiple=chunk_multiple)
+    get a view axis after the batch axis, [chunks, P, K, ...].
+
+    ``scheme`` (a ``tf_dp.sampling.schemes.SamplingScheme``; default: Poisson sampling of the
+    source's examples with L = ``batch_size``) builds the sampler that draws each step's indices."""
+    if scheme is None:
+        sampler = PoissonSampler(len(source), batch_size, physical_batch_size, seed, secure=secure,
+                                 chunk_multiple=chunk_multiple)
+    else:
+        sampler = scheme.sampler(physical_batch_size, seed, secure, chunk_multiple)
     physical = sampler.physical_batch_size
     expected = np.float32(batch_size)
 
