@@ -31,6 +31,7 @@ from tf_dp.models.row_independence import DONOR_SEARCH, GUARD_ROWS, check_rows_i
 from tf_dp.models.step import DPTrainStep, sample_weight_extras
 from tf_dp.optimizers import DPOptimizer
 from tf_dp.sampling.loader import augment_examples
+from tf_dp.sampling.schemes import scheme_for_fit
 from tf_dp.sampling.sources import MARKER, ArraySource, SourceError, example_source
 
 
@@ -54,6 +55,8 @@ class DPFitting:
         transform=None,
         augment=None,
         augmentation_multiplicity: int = 1,
+        user_ids=None,
+        examples_per_user: Optional[int] = None,
         **kwargs,
     ):
         """Keras ``fit`` with Poisson sampling (rate q = batch_size / N) for arrays (numpy,
@@ -93,34 +96,20 @@ class DPFitting:
         y = without_unused_targets(self._dp_loss, y)  # y=[y0, None] for loss=[fn, None], as Keras
         if kwargs.get("shuffle") not in (None, True):
             raise ValueError("`shuffle` is not supported by DP fit (Poisson sampling replaces it).")
-        sample_weight, class_weight = kwargs.pop("sample_weight", None), kwargs.pop("class_weight", None)
         kwargs.pop("shuffle", None)
+        sample_weight, class_weight = kwargs.pop("sample_weight", None), kwargs.pop("class_weight", None)
+        sampling_arguments = {"user_ids": user_ids, "examples_per_user": examples_per_user}
         callbacks = list(callbacks or [])
         if isinstance(x, tf.data.Dataset) and is_batched_dataset(x, self):
+            self._refuse_sampling_arguments(sampling_arguments, "a batched dataset")
             self._refuse_multi_worker("a batched dataset")
             self._set_example_weights(sample_weight, class_weight, where="dataset")
             return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
                                            steps_per_epoch, **kwargs)
-        views = self._augmentation_setting(augment, augmentation_multiplicity)
-        source = tfds_source_for_fit(x, transform) if y is None else None  # a tfds.data_source: parsed in the graph
-        if source is None:
-            source = example_source(x, y, transform)
+        source = self._training_source(x, y, transform)
         if validation_split:
-            if isinstance(source, ArraySource):
-                (x, y), validation_data = _split_tail(source.x, source.y, validation_split)
-                source = ArraySource(x, y)
-            else:  # a source: the tail's indices are carved off before sampling and never sampled
-                validation_batch = kwargs.pop("validation_batch_size", None) or batch_size or 32
-                source, validation_data = _split_source_tail(source, validation_split, validation_batch)
-            if sample_weight is not None:  # the tail's weights go with the validation rows
-                weights = tf.nest.map_structure(np.asarray, sample_weight)
-                sample_weight = tf.nest.map_structure(lambda w: w[:len(source)], weights)
-                tail_weights = tf.nest.map_structure(lambda w: w[len(source):], weights)
-                if isinstance(validation_data, tf.data.Dataset):
-                    batches = tf.data.Dataset.from_tensor_slices(tail_weights).batch(validation_batch)
-                    validation_data = tf.data.Dataset.zip((validation_data, batches)).map(lambda xy, w: (*xy, w))
-                else:
-                    validation_data = (*validation_data, tail_weights)
+            source, validation_data, sample_weight = _carve_validation(
+                source, validation_split, sample_weight, kwargs.pop("validation_batch_size", None) or batch_size or 32)
         if isinstance(validation_data, (tuple, list)):  # numpy string arrays as tf.string, which Keras reads
             validation_data = tuple(tf.nest.map_structure(keras_array, part) for part in validation_data)
         num_examples = len(source)
@@ -132,26 +121,61 @@ class DPFitting:
         check_rows_independent(self, self._dp_loss, x, y)
         if batch_size is None:
             raise ValueError("`batch_size` (the expected Poisson batch size L) is required for DP fit.")
-        batch_size = _checks.batch_size_for(num_examples, batch_size)
-        if self._dp["delta"] >= 1 / num_examples:
-            warnings.warn(f"tf_dp: delta = {self._dp['delta']:g} >= 1/N = {1 / num_examples:.3g}: a mechanism that "
-                          "publishes one random example outright meets such a delta. Use delta <= 1/N.", stacklevel=2)
-        steps = steps_per_epoch or math.ceil(num_examples / batch_size)
+        scheme = scheme_for_fit(getattr(self.optimizer, "privatizer", None), num_examples,
+                                _checks.batch_size_for(num_examples, batch_size),
+                                **sampling_arguments)
+        views = self._views(augment, augmentation_multiplicity, scheme)
+        self._warn_about_delta(scheme.num_units)
+        steps = steps_per_epoch or math.ceil(scheme.num_units / scheme.expected_batch_size)
         # Privacy callbacks go first so that user callbacks (TensorBoard, CSVLogger) see ε in the logs.
-        callbacks = self._privacy_callbacks(num_examples, batch_size, steps * (epochs - initial_epoch)) + callbacks
-        self._open_phase("poisson", batch_size / num_examples, num_examples, batch_size)
+        callbacks = self._privacy_callbacks(scheme, steps * (epochs - initial_epoch)) + callbacks
+        self._open_phase(scheme.ledger_scheme, scheme.sampling_rate, scheme.num_units, scheme.expected_batch_size,
+                         parameter=scheme.ledger_parameter, new_segment=scheme.new_segment)
         if self.optimizer.secure_mode and sampling_seed is not None:
             raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
         steps_taken = StepsTaken(self.privacy_ledger)
         callbacks.append(steps_taken)  # last: its on_train_begin sees a ledger BackupAndRestore restored
-        dataset = self._poisson_stream(source, num_examples, batch_size, physical_batch_size, sampling_seed,
-                                       steps_taken, augment, views)
+        dataset = self._poisson_stream(source, scheme, physical_batch_size, sampling_seed, steps_taken, augment,
+                                       views)
         self._prebuild(x, y)
         with self._views_for_fit(views), reading_errors_named(source):
             return super().fit(
                 dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
                 initial_epoch=initial_epoch, steps_per_epoch=steps, shuffle=False, **kwargs,
             )
+
+    @staticmethod
+    def _training_source(x, y, transform):
+        """The random-access source fit samples from: a tfds.data_source parsed in the graph,
+        else ``tf_dp.sampling.example_source`` of (x, y)."""
+        source = tfds_source_for_fit(x, transform) if y is None else None
+        return source if source is not None else example_source(x, y, transform)
+
+    @staticmethod
+    def _refuse_sampling_arguments(arguments: dict, what: str) -> None:
+        given = sorted(name for name, value in arguments.items() if value is not None)
+        if given:
+            raise ValueError(f"{given} need fit() to sample from arrays or a random-access source; {what} cannot "
+                             "be resampled.")
+
+    def _warn_about_delta(self, num_units: int) -> None:
+        if self._dp["delta"] >= 1 / num_units:
+            warnings.warn(f"tf_dp: delta = {self._dp['delta']:g} >= 1/N = {1 / num_units:.3g}: a mechanism that "
+                          "publishes one random example outright meets such a delta. Use delta <= 1/N.", stacklevel=3)
+
+    def _views(self, augment, multiplicity, scheme) -> AugmentationViews:
+        """The units' views: augmentation multiplicity, or a scheme's m examples per unit
+        (user-level DP), each averaged before clipping (docs/algorithms.md §8, §11)."""
+        views = self._augmentation_setting(augment, multiplicity)
+        if scheme.views == 1:
+            return views
+        if views != ONE_VIEW:
+            raise ValueError(f"{scheme.name!r} sampling gives each unit {scheme.views} examples, which cannot be "
+                             "combined with augmentation_multiplicity > 1: use one of them.")
+        if type(self).train_step is not DPTrainStep.train_step:
+            raise ValueError(f"{scheme.name!r} sampling is supported by DPModel's own train step; "
+                             f"{type(self).__name__} overrides train_step.")
+        return AugmentationViews(scheme.views, view_axis=True)
 
     def _augmentation_setting(self, augment, multiplicity) -> AugmentationViews:
         """The views each sampled example contributes (augmentation multiplicity, docs/algorithms.md §8)."""
@@ -232,23 +256,25 @@ class DPFitting:
         # The noise key is guarded by the train function itself (DPTrainStep.make_train_function).
         return super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
-    def _poisson_stream(self, source, num_examples, batch_size, physical_batch_size, sampling_seed, steps_taken,
-                        augment=None, views: AugmentationViews = ONE_VIEW):
-        """The Poisson batches ``fit`` trains on: the batch of step t at step t, one global
-        batch per step, which tf.distribute replicas split by chunks (never duplicate),
-        each worker reading only its replicas' examples from the source."""
+    def _poisson_stream(self, source, scheme, physical_batch_size, sampling_seed, steps_taken, augment=None,
+                        views: AugmentationViews = ONE_VIEW):
+        """The batches ``fit`` trains on, drawn by ``scheme``'s sampler: the batch of step t at
+        step t, one global batch per step, which tf.distribute replicas split by chunks (never
+        duplicate), each worker reading only its replicas' examples from the source."""
         strategy, secure = self.distribute_strategy, self.optimizer.secure_mode
-        extras = self._per_example_extras(num_examples)
-        steps_taken = steps_taken.read
-        loading = dict(source=source, augment=augment, views=views.count if views.view_axis else 1)
+        extras = self._per_example_extras(len(source))
+        augment_views = views.count if views.view_axis and augment is not None else 1
+        loading = dict(source=source, augment=augment, views=augment_views, scheme=scheme,
+                       first_step=steps_taken.read)
+        size = scheme.expected_batch_size
         if strategy.num_replicas_in_sync == 1:
-            return poisson_dataset(None, None, num_examples, batch_size, physical_batch_size, sampling_seed, extras,
-                                   secure=secure, first_step=steps_taken, augment_seed=sampling_seed, **loading)
+            return poisson_dataset(None, None, len(source), size, physical_batch_size, sampling_seed, extras,
+                                   secure=secure, augment_seed=sampling_seed, **loading)
         if secure:
             self._refuse_multi_worker("secure_mode=True (each worker would draw its own OS-entropy batch)")
         seed = sampling_seed if secure else agreed_sampling_seed(strategy, sampling_seed)
-        return distributed_poisson_dataset(strategy, None, None, num_examples, batch_size, physical_batch_size, seed,
-                                           extras, secure=secure, first_step=steps_taken, augment_seed=seed, **loading)
+        return distributed_poisson_dataset(strategy, None, None, len(source), size, physical_batch_size, seed,
+                                           extras, secure=secure, augment_seed=seed, **loading)
 
     def _refuse_multi_worker(self, what: str):
         """Workers would each read their own data, so one global step could read an example
@@ -269,8 +295,9 @@ class DPFitting:
         if not isinstance(getattr(self, "optimizer", None), DPOptimizer) or self._dp_loss is None:
             raise RuntimeError(f"Compile the {type(self).__name__} with a tf_dp optimizer and a loss before training.")
 
-    def _open_phase(self, scheme, sampling_rate, num_examples, expected_batch_size):
-        self._phase_arguments = (scheme, sampling_rate, num_examples, expected_batch_size)
+    def _open_phase(self, scheme, sampling_rate, num_examples, expected_batch_size, parameter: float = 0.0,
+                    new_segment: bool = False):
+        self._phase_arguments = (scheme, sampling_rate, num_examples, expected_batch_size, parameter)
         sigma = self.optimizer.noise_multiplier
         if sigma is None:
             raise ValueError(
@@ -279,8 +306,9 @@ class DPFitting:
             )
         if scheme == "batches":
             self._declared_batch_size.assign(float(expected_batch_size))
+        extra = {"new_segment": True} if new_segment else {}  # a segment boundary even at equal settings
         self.privacy_ledger.open_phase(scheme, sampling_rate, sigma, num_examples, expected_batch_size,
-                                       self._histogram_noise())
+                                       parameter or self._histogram_noise(), **extra)
 
     def reopen_phase(self):
         """Re-records the running phase (after a callback such as BackupAndRestore has
@@ -292,18 +320,27 @@ class DPFitting:
         """Laplace scale of a histogram released from the same batch (RaCO-DP); 0: none."""
         return 0.0
 
-    def _privacy_callbacks(self, num_examples, batch_size, planned_steps):
+    def _privacy_callbacks(self, scheme, planned_steps):
+        """PrivacyReport, and with ``compile(target_epsilon=...)`` the calibrated σ and a
+        PrivacyBudget that stops training at the target."""
         target = self._dp["target_epsilon"]
         if target is None:
             return [PrivacyReport()]
+        self.optimizer.noise_multiplier = self._calibrated_noise_multiplier(scheme, target, planned_steps)
+        return [PrivacyReport(), PrivacyBudget(target)]
+
+    def _calibrated_noise_multiplier(self, scheme, target: float, planned_steps: int) -> float:
+        """The smallest float32 σ whose ε over the planned steps (after the ledger's) is ≤ target."""
+        if scheme.ledger_scheme != "poisson":
+            raise ValueError(f"`target_epsilon` calibration is built for Poisson sampling; {scheme.name!r} sampling "
+                             "needs an explicit noise_multiplier (compute its ε with tf_dp.compute_epsilon).")
         sigma = calibrate_noise_multiplier(
-            target, num_examples, batch_size, steps=max(planned_steps, 1), delta=self._dp["delta"],
+            target, scheme.num_units, scheme.expected_batch_size, steps=max(planned_steps, 1), delta=self._dp["delta"],
             accountant=self._dp["accountant"], prior_event=self._prior_event(),
         )
-        self.optimizer.noise_multiplier = float(np.nextafter(np.float32(sigma), np.float32(np.inf)))  # float32 ≥ σ
         print(f"tf_dp: noise_multiplier calibrated to {sigma:.4f} for ε ≤ {target} at δ = {self._dp['delta']:g} "
               f"over {planned_steps} steps ({self._dp['accountant'].upper()}).")
-        return [PrivacyReport(), PrivacyBudget(target)]
+        return float(np.nextafter(np.float32(sigma), np.float32(np.inf)))  # float32 ≥ σ
 
     def _prior_event(self):
         return self.privacy_ledger.event() if int(self.privacy_ledger.steps.numpy()) else None
@@ -414,6 +451,27 @@ def keras_array(array):
     if isinstance(array, np.ndarray) and (array.dtype == object or array.dtype.kind in "US"):
         return tf.constant(array, tf.string)
     return array
+
+
+def _carve_validation(source, fraction, sample_weight, validation_batch: int):
+    """validation_split as Keras does it: the last ``fraction`` of the examples validate (and
+    their sample weights go with them); returns (training source, validation data, weights)."""
+    if isinstance(source, ArraySource):
+        (x, y), validation_data = _split_tail(source.x, source.y, fraction)
+        source = ArraySource(x, y)
+    else:  # a source: the tail's indices are carved off before sampling and never sampled
+        source, validation_data = _split_source_tail(source, fraction, validation_batch)
+    if sample_weight is None:
+        return source, validation_data, None
+    weights = tf.nest.map_structure(np.asarray, sample_weight)
+    head_weights = tf.nest.map_structure(lambda w: w[:len(source)], weights)
+    tail_weights = tf.nest.map_structure(lambda w: w[len(source):], weights)
+    if isinstance(validation_data, tf.data.Dataset):
+        batches = tf.data.Dataset.from_tensor_slices(tail_weights).batch(validation_batch)
+        validation_data = tf.data.Dataset.zip((validation_data, batches)).map(lambda xy, w: (*xy, w))
+    else:
+        validation_data = (*validation_data, tail_weights)
+    return source, validation_data, head_weights
 
 
 def _split_tail(x, y, fraction):

@@ -163,8 +163,8 @@ class RateConstrainedModel(DPModel):
     def _targets(self, packed):
         return packed[..., 0]
 
-    def _privacy_callbacks(self, num_examples, batch_size, planned_steps):
-        return super()._privacy_callbacks(num_examples, batch_size, planned_steps) + [MultiplierReport()]
+    def _privacy_callbacks(self, scheme, planned_steps):
+        return super()._privacy_callbacks(scheme, planned_steps) + [MultiplierReport()]
 
     # -------------------------------------------------- saving the multipliers
     def save_own_variables(self, store):

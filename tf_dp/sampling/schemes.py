@@ -56,6 +56,11 @@ class SamplingScheme:
         return self.expected_batch_size / self.num_units
 
     @property
+    def ledger_scheme(self) -> str:
+        """The scheme the ledger records (and the accountant composes) for this sampling."""
+        return self.name
+
+    @property
     def ledger_parameter(self) -> float:
         """The scheme's parameter in the ledger's phase row (0: none)."""
         return 0.0
