@@ -265,7 +265,8 @@ def test_a_ledger_saved_before_the_registry_loads_with_the_same_epsilon(name, tm
     for accountant, value in expected["epsilon"].items():
         assert model.privacy_ledger.epsilon(delta, accountant) == pytest.approx(value, rel=1e-12)
     if name == "plain":
-        rows, ends = expected["phase_table_rows"], [r[5] for r in expected["phase_table_rows"][1:]] + [expected["steps"]]
+        rows = expected["phase_table_rows"]
+        ends = [r[5] for r in rows[1:]] + [expected["steps"]]
         hand = dp_event.ComposedDpEvent([
             HAND_BUILT["poisson" if r[0] == 1 else "batches"](Phase("", r[1], r[2], 0, 0.0, int(end - r[5])))
             for r, end in zip(rows, ends)])

@@ -83,7 +83,8 @@ def rdp_epsilon(event: dp_event.DpEvent, delta: float) -> float:
     if plugins:
         orders = tuple(a for a in RDP_ORDERS if all(a in set(p.rdp_orders) for p in plugins))
         if not orders:
-            raise ValueError("The plug-in steps of this event share no RDP order with RDP_ORDERS: use accountant='pld'.")
+            raise ValueError("The plug-in steps of this event share no RDP order with RDP_ORDERS: "
+                             "use accountant='pld'.")
         total = np.zeros(len(orders), dtype=np.float64)
         _add_rdp(total, event, 1, orders, plugins=True)
         return _epsilon_from_rdp(total, delta, orders)[0]

@@ -219,7 +219,8 @@ def upgraded_table(saved: np.ndarray) -> np.ndarray:
     64), 8 columns (7 before the segment column: each old row is its own segment)."""
     saved = np.asarray(saved, dtype=np.float64)
     if saved.ndim != 2 or not 6 <= saved.shape[1] <= _COLUMNS:
-        raise ValueError(f"The saved privacy ledger's phase table has shape {saved.shape}; expected (rows, {_COLUMNS}).")
+        raise ValueError(f"The saved privacy ledger's phase table has shape {saved.shape}; "
+                         f"expected (rows, {_COLUMNS}).")
     if len(saved) > MAX_PHASES and saved[MAX_PHASES:, _SCHEME].any():
         raise ValueError(f"The saved privacy ledger has more than {MAX_PHASES} phases.")
     table = np.zeros((MAX_PHASES, _COLUMNS))
