@@ -66,7 +66,7 @@ def main(argv):
     data = load_adult()
     n = len(data.y_train)
     steps = raco.calibrate_steps(FLAGS.epsilon, n, FLAGS.batch_size, FLAGS.noise_multiplier, FLAGS.histogram_noise,
-                                 delta=FLAGS.delta)
+                                 delta=FLAGS.delta, accountant="pld")
     steps = min(steps, FLAGS.max_steps or steps)
     model = build(data.x_train.shape[1])
     model.compile(

@@ -114,8 +114,8 @@ def test_ledger_accounts_gaussian_and_laplace_jointly(tmp_path):
     x, y, z = _adult_subset(2000)
     model, _, _ = _train(x, y, z, max_gap=0.1, sigma=2.0, histogram_noise=2.0, epochs=1, accountant="pld", delta=1e-4)
     phase = model.privacy_ledger.phases()[0]
-    assert phase.histogram_noise == 2.0 and phase.steps == 4
-    expected = compute_epsilon(2000, 500, phase.noise_multiplier, 2.0, steps=4, delta=1e-4)
+    assert phase.scheme == "raco_poisson" and phase.parameter == 2.0 and phase.steps == 4  # parameter: Laplace scale
+    expected = compute_epsilon(2000, 500, phase.noise_multiplier, 2.0, steps=4, delta=1e-4, accountant="pld")
     assert model.get_epsilon() == pytest.approx(expected, rel=1e-6)
     gaussian_only = tf_dp.compute_epsilon(2000, 500, phase.noise_multiplier, steps=4, delta=1e-4, accountant="pld")
     assert model.get_epsilon() > gaussian_only

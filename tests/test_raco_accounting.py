@@ -1,5 +1,7 @@
 """RaCO-DP accounting (docs/algorithms.md §5): reference numbers, soundness, and the contrast with
-the (invalid) separate composition that the paper's public code uses."""
+the (invalid) separate composition that the paper's public code uses. The reference numbers are
+PLD's: calls that relied on RaCO's former default accountant "pld" pass it (the default is "rdp"
+everywhere now)."""
 
 import math
 
@@ -30,7 +32,7 @@ SEPARATE_REFERENCE = {10: 0.657, 20: 0.972, 40: 1.437}
 
 @pytest.mark.parametrize("steps, expected", sorted(JOINT_REFERENCE.items()))
 def test_joint_step_pld_reproduces_the_reference(steps, expected):
-    assert compute_epsilon(steps=steps, **ADULT) == pytest.approx(expected, abs=REFERENCE_TOLERANCE)
+    assert compute_epsilon(steps=steps, accountant="pld", **ADULT) == pytest.approx(expected, abs=REFERENCE_TOLERANCE)
 
 
 def test_separate_composition_is_the_references_smaller_and_invalid_number():
@@ -43,12 +45,13 @@ def test_separate_composition_is_the_references_smaller_and_invalid_number():
     for steps, expected in SEPARATE_REFERENCE.items():
         separate = dp_sgd_accountant.epsilon_of_event(dp_event.SelfComposedDpEvent(step, steps), 1e-4, "pld")
         assert separate == pytest.approx(expected, abs=REFERENCE_TOLERANCE)
-        assert separate < compute_epsilon(steps=steps, **ADULT) - 0.05
+        assert separate < compute_epsilon(steps=steps, accountant="pld", **ADULT) - 0.05
 
 
 def test_epsilon_one_allows_18_steps_not_20():
-    assert calibrate_steps(1.0, **ADULT) == 18
-    assert compute_epsilon(steps=18, **ADULT) <= 1.0 < compute_epsilon(steps=19, **ADULT)
+    assert calibrate_steps(1.0, accountant="pld", **ADULT) == 18
+    assert compute_epsilon(steps=18, accountant="pld", **ADULT) <= 1.0 < compute_epsilon(steps=19, accountant="pld",
+                                                                                         **ADULT)
 
 
 # ---------------------------------------------------------------- one step against the truth
@@ -159,7 +162,7 @@ def test_joint_pld_tends_to_each_single_mechanism():
 def test_rdp_mode_is_looser_than_pld_on_the_reference():
     for steps in JOINT_REFERENCE:
         rdp = compute_epsilon(steps=steps, accountant="rdp", **ADULT)
-        assert rdp >= compute_epsilon(steps=steps, **ADULT)
+        assert rdp >= compute_epsilon(steps=steps, accountant="pld", **ADULT)
         assert math.isfinite(rdp)
 
 
@@ -217,13 +220,13 @@ def test_calibrate_steps_round_trips(mechanism, accountant, target):
 
 
 def test_calibrate_steps_caps_at_max_steps_and_refuses_unreachable_targets():
-    assert calibrate_steps(50.0, max_steps=7, **ADULT) == 7
+    assert calibrate_steps(50.0, max_steps=7, accountant="pld", **ADULT) == 7
     with pytest.raises(ValueError, match="unreachable"):
-        calibrate_steps(0.01, **ADULT)
+        calibrate_steps(0.01, accountant="pld", **ADULT)
 
 
 def test_calibrate_noise_multiplier_round_trips():
-    settings = dict(num_examples=32561, batch_size=4096, histogram_noise=2.0, steps=18, delta=1e-4)
+    settings = dict(num_examples=32561, batch_size=4096, histogram_noise=2.0, steps=18, delta=1e-4, accountant="pld")
     sigma = calibrate_noise_multiplier(1.0, **settings)
     assert sigma <= 4.0  # 18 steps at σ = 4 fit in ε = 1
     assert compute_epsilon(noise_multiplier=sigma, **settings) <= 1.0
@@ -232,7 +235,7 @@ def test_calibrate_noise_multiplier_round_trips():
 
 def test_calibrate_noise_multiplier_names_a_histogram_that_spends_the_budget():
     with pytest.raises(ValueError, match="histogram_noise"):
-        calibrate_noise_multiplier(0.5, 32561, 4096, histogram_noise=0.1, steps=100, delta=1e-4)
+        calibrate_noise_multiplier(0.5, 32561, 4096, histogram_noise=0.1, steps=100, delta=1e-4, accountant="pld")
 
 
 # ---------------------------------------------------------------- bad input

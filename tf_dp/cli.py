@@ -90,7 +90,7 @@ def _format_report(data: dict) -> str:
     lines = [f"epsilon = {data['epsilon']:.4f} at delta = {data['delta']:g} ({data['accountant'].upper()}), "
              f"{data['steps']} steps"]
     for p in data["phases"]:
-        extra = f", histogram Laplace scale {p['histogram_noise']:g}" if p.get("histogram_noise") else ""
+        extra = f", parameter {p['parameter']:g}" if p.get("parameter") else ""
         lines.append(f"  {p['steps']} steps, sampling={p['scheme']}, q={p['sampling_rate']:.6g}, "
                      f"sigma={p['noise_multiplier']:.6g}, N={p['num_examples']}, L={p['expected_batch_size']:g}{extra}")
     return "\n".join(lines)

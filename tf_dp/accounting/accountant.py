@@ -1,7 +1,8 @@
-"""ε of DP-SGD from Google's ``dp_accounting`` (what tensorflow-privacy wraps).
+"""The "rdp" and "pld" accountants (Google's ``dp_accounting``, what tensorflow-privacy wraps),
+``compute_epsilon`` and σ calibration (docs/algorithms.md, appendix A).
 
-Each Poisson-sampled step is ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``; steps
-compose. RDP is the default (tensorflow-privacy's convention), PLD is tighter.
+Each phase becomes a dp_accounting event by its scheme (``tf_dp.accounting.events``); events
+compose. RDP is the default everywhere (tensorflow-privacy's convention), PLD is tighter.
 Known answer (docs/algorithms.md §1): N=60000, L=256, σ=1.1, 60 epochs, δ=1e-5 → RDP 2.597,
 PLD 2.382.
 
@@ -34,13 +35,25 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from tf_dp import _checks
+from dp_accounting.pld import privacy_loss_distribution
 
-ACCOUNTANTS = ("rdp", "pld")
+from tf_dp import _checks
+from tf_dp.accounting.events import (
+    DEFAULT_ACCOUNTANT,
+    Phase,
+    StepEvent,
+    check_accountant,
+    epsilon,
+    phase_event,
+    register_accountant,
+    step_events,
+)
+
+ACCOUNTANTS = ("rdp", "pld")  # the built-in accountants (plug-ins may register more)
 # tensorflow-privacy's RDP orders, so ε matches its `compute_dp_sgd_privacy`.
 RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512]
 PLD_DISCRETIZATION = 1e-4
-_LARGEST_SIGMA = 2.0**13  # σ calibration doubles σ from 1 up to here, then gives up
+LARGEST_NOISE_MULTIPLIER = 2.0**13  # σ calibration doubles σ from 1 up to here, then gives up
 
 
 def _accountant(name: str):
@@ -50,17 +63,47 @@ def _accountant(name: str):
     return pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
 
 
-def epsilon_of_event(event: dp_event.DpEvent, delta: float, accountant: str = "rdp") -> float:
-    """ε at ``delta`` of any ``dp_accounting`` event: under RDP from cached per-step RDP
-    curves when the event is built of (Poisson-sampled) Gaussian steps, else (and under PLD)
-    by composing the event in a fresh dp_accounting accountant. Both give the same number."""
-    delta = _checks.delta(delta)
-    _checks.one_of("accountant", accountant, ACCOUNTANTS)
-    if accountant == "rdp":
-        rdp = rdp_of_event(event)
-        if rdp is not None:
-            return _epsilon_from_rdp(rdp, delta)[0]
-    return _epsilon_by_accountant(event, delta, accountant)
+def epsilon_of_event(event: dp_event.DpEvent, delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
+    """ε at ``delta`` of any ``dp_accounting`` event (``tf_dp.accounting.events.epsilon``)."""
+    if not isinstance(event, dp_event.DpEvent):
+        raise TypeError(f"`event` must be a dp_accounting DpEvent, got {type(event).__name__}.")
+    return epsilon(event, delta, accountant)
+
+
+@register_accountant("rdp")
+def rdp_epsilon(event: dp_event.DpEvent, delta: float) -> float:
+    """ε = min_α rdp_α + log(1 − 1/α) − log(δα)/(α − 1) (dp_accounting's conversion) of the
+    event's RDP: from cached per-step RDP curves at ``RDP_ORDERS`` when the event is built of
+    (Poisson-sampled) Gaussian steps; at the orders every ``StepEvent`` supports when it holds
+    plug-in steps; else by composing the event in a fresh dp_accounting RdpAccountant."""
+    rdp = rdp_of_event(event)
+    if rdp is not None:
+        return _epsilon_from_rdp(rdp, delta)[0]
+    plugins = step_events(event)
+    if plugins:
+        orders = tuple(a for a in RDP_ORDERS if all(a in set(p.rdp_orders) for p in plugins))
+        if not orders:
+            raise ValueError("The plug-in steps of this event share no RDP order with RDP_ORDERS: "
+                             "use accountant='pld'.")
+        total = np.zeros(len(orders), dtype=np.float64)
+        _add_rdp(total, event, 1, orders, plugins=True)
+        return _epsilon_from_rdp(total, delta, orders)[0]
+    return _epsilon_by_accountant(event, delta, "rdp")
+
+
+@register_accountant("pld")
+def pld_epsilon(event: dp_event.DpEvent, delta: float) -> float:
+    """ε at δ of the event's privacy loss distribution (value discretization 1e-4): dp_accounting's
+    PLDAccountant, or — when the event holds plug-in ``StepEvent``s — each step's PLD
+    (``StepEvent.pld``, dp_accounting's ``from_gaussian_mechanism`` / ``from_laplace_mechanism``
+    otherwise) self-composed and composed in the event's order."""
+    if not step_events(event):
+        return _epsilon_by_accountant(event, delta, "pld")
+    try:
+        pld = _pld_of(event)
+    except _NotPrivate:
+        return math.inf
+    return 0.0 if pld is None else float(pld.get_epsilon_for_delta(delta))
 
 
 def _epsilon_by_accountant(event: dp_event.DpEvent, delta: float, accountant: str) -> float:
@@ -69,6 +112,45 @@ def _epsilon_by_accountant(event: dp_event.DpEvent, delta: float, accountant: st
     with _quiet_absl():
         engine.compose(event)
         return float(engine.get_epsilon(delta))
+
+
+class _NotPrivate(Exception):
+    """A NonPrivateDpEvent inside a composition: ε = ∞."""
+
+
+def _pld_of(event: dp_event.DpEvent):
+    """The PLD of ``event`` (None: no privacy loss), composed as the events are nested."""
+    if isinstance(event, dp_event.NoOpDpEvent):
+        return None
+    if isinstance(event, dp_event.NonPrivateDpEvent):
+        raise _NotPrivate()
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        inner = _pld_of(event.event)
+        return None if inner is None or event.count == 0 else inner.self_compose(event.count)
+    if isinstance(event, dp_event.ComposedDpEvent):
+        composed = None
+        for part in event.events:
+            pld = _pld_of(part)
+            if pld is not None:
+                composed = pld if composed is None else composed.compose(pld)
+        return composed
+    return _step_pld(event)
+
+
+def _step_pld(event: dp_event.DpEvent):
+    """The PLD of one step: a plug-in's own, or dp_accounting's for its Gaussian / Laplace steps."""
+    if isinstance(event, StepEvent):
+        return event.pld(PLD_DISCRETIZATION)
+    rate, inner = (event.sampling_probability, event.event) if isinstance(event, dp_event.PoissonSampledDpEvent) \
+        else (1.0, event)
+    if type(inner) is dp_event.GaussianDpEvent:
+        return privacy_loss_distribution.from_gaussian_mechanism(
+            inner.noise_multiplier, sampling_prob=rate, value_discretization_interval=PLD_DISCRETIZATION)
+    if type(inner) is dp_event.LaplaceDpEvent:
+        return privacy_loss_distribution.from_laplace_mechanism(
+            inner.parameter, sampling_prob=rate, value_discretization_interval=PLD_DISCRETIZATION)
+    raise ValueError(f"{type(event).__name__} cannot be composed with plug-in steps under PLD "
+                     "(supported: Gaussian and Laplace steps, Poisson-sampled or not).")
 
 
 # -- RDP curves: one step's RDP per order, reused for every step count ---------------------
@@ -81,17 +163,22 @@ def rdp_of_event(event: dp_event.DpEvent, orders=RDP_ORDERS) -> Optional[np.ndar
     return total if _add_rdp(total, event, 1, tuple(float(a) for a in orders)) else None
 
 
-def _add_rdp(total: np.ndarray, event: dp_event.DpEvent, count: int, orders: tuple) -> bool:
+def _add_rdp(total: np.ndarray, event: dp_event.DpEvent, count: int, orders: tuple, plugins: bool = False) -> bool:
+    """total += RDP of ``count`` × ``event``; False if a step is not a (Poisson-sampled)
+    Gaussian (with ``plugins``: a plug-in step adds its own RDP, any other step dp_accounting's)."""
     if isinstance(event, dp_event.NoOpDpEvent):
         return True
     if isinstance(event, dp_event.NonPrivateDpEvent):
         total += np.inf
         return True
     if isinstance(event, dp_event.SelfComposedDpEvent):
-        return _add_rdp(total, event.event, event.count * count, orders)
+        return _add_rdp(total, event.event, event.count * count, orders, plugins)
     if isinstance(event, dp_event.ComposedDpEvent):
-        return all(_add_rdp(total, e, count, orders) for e in event.events)
-    if _is_gaussian_step(event):
+        return all(_add_rdp(total, e, count, orders, plugins) for e in event.events)
+    if plugins and isinstance(event, StepEvent):
+        total += count * np.asarray(event.rdp(np.array(orders)), dtype=np.float64)
+        return True
+    if plugins or _is_gaussian_step(event):
         total += count * np.array([_step_rdp(event, order) for order in orders])
         return True
     return False
@@ -143,11 +230,8 @@ def steps_for(num_examples: int, batch_size: int, epochs: Optional[float], steps
 
 
 def dp_sgd_event(sampling_rate: float, noise_multiplier: float, steps: int) -> dp_event.DpEvent:
-    """T Poisson-subsampled Gaussian steps; σ = 0 is non-private (ε = ∞)."""
-    if noise_multiplier == 0:
-        return dp_event.NonPrivateDpEvent()
-    step = dp_event.PoissonSampledDpEvent(sampling_rate, dp_event.GaussianDpEvent(noise_multiplier))
-    return dp_event.SelfComposedDpEvent(step, steps)
+    """T Poisson-subsampled Gaussian steps (the "poisson" scheme's event); σ = 0 is non-private (ε = ∞)."""
+    return phase_event(Phase("poisson", sampling_rate, noise_multiplier, 0, 0.0, steps))
 
 
 def _check_problem(num_examples, batch_size, noise_multiplier=None):
@@ -158,6 +242,14 @@ def _check_problem(num_examples, batch_size, noise_multiplier=None):
     return num_examples, batch_size, noise_multiplier
 
 
+def _planned_phase(scheme: str, num_examples: int, batch_size: int, noise_multiplier: float, steps: int,
+                   parameter: float) -> Phase:
+    """The phase T steps of ``scheme`` at q = L/N would record ("batches": q = 1)."""
+    _checks.real("parameter", parameter)
+    rate = 1.0 if scheme == "batches" else batch_size / num_examples
+    return Phase(scheme, rate, noise_multiplier, num_examples, float(batch_size), steps, float(parameter))
+
+
 def compute_epsilon(
     num_examples: int,
     batch_size: int,
@@ -165,13 +257,29 @@ def compute_epsilon(
     epochs: Optional[float] = None,
     steps: Optional[int] = None,
     delta: float = 1e-5,
-    accountant: str = "rdp",
+    accountant: str = DEFAULT_ACCOUNTANT,
+    scheme: str = "poisson",
+    parameter: float = 0.0,
 ) -> float:
-    """ε of DP-SGD with Poisson sampling at rate q = batch_size / num_examples for T steps."""
+    """ε of T steps of ``scheme`` (default Poisson sampling at q = batch_size / num_examples).
+
+    Args:
+      num_examples: N.
+      batch_size: the expected batch size L.
+      noise_multiplier: σ (0: not private, ε = ∞).
+      epochs, steps: exactly one; T = ⌈epochs · N / L⌉ or ``steps``.
+      delta: δ.
+      accountant: "rdp" (default) or "pld".
+      scheme: a registered sampling scheme (``tf_dp.accounting.events``).
+      parameter: the scheme's parameter (Phase.parameter), 0.0 for "poisson".
+
+    Returns:
+      ε of ``events.epsilon`` for the phase those steps would record.
+    """
     num_examples, batch_size, noise_multiplier = _check_problem(num_examples, batch_size, noise_multiplier)
     total_steps = steps_for(num_examples, batch_size, epochs, steps)
-    event = dp_sgd_event(batch_size / num_examples, noise_multiplier, total_steps)
-    return epsilon_of_event(event, delta, accountant)
+    phase = _planned_phase(scheme, num_examples, batch_size, noise_multiplier, total_steps, parameter)
+    return epsilon([phase], delta, accountant)
 
 
 def calibrate_noise_multiplier(
@@ -181,38 +289,60 @@ def calibrate_noise_multiplier(
     epochs: Optional[float] = None,
     steps: Optional[int] = None,
     delta: float = 1e-5,
-    accountant: str = "rdp",
+    accountant: str = DEFAULT_ACCOUNTANT,
     prior_event: Optional[dp_event.DpEvent] = None,
+    scheme: str = "poisson",
+    parameter: float = 0.0,
 ) -> float:
-    """Smallest σ (to 0.1 % relative) whose ε, composed after ``prior_event``, is ≤ target.
+    """Smallest σ (to 0.1 % relative) whose ε, composed after ``prior_event``, is ≤ target,
+    for T steps of ``scheme`` (arguments as in ``compute_epsilon``; the search is
+    ``calibrate_sigma``).
 
     Raises ``ValueError`` if the target is unreachable (e.g. ``prior_event`` already spent it).
     """
     target_epsilon = _checks.positive("target_epsilon", target_epsilon)
-    delta = _checks.delta(delta)
-    _checks.one_of("accountant", accountant, ACCOUNTANTS)
     num_examples, batch_size, _ = _check_problem(num_examples, batch_size)
     total_steps = steps_for(num_examples, batch_size, epochs, steps)
-    rate = batch_size / num_examples
+    _planned_phase(scheme, num_examples, batch_size, 1.0, total_steps, parameter)  # checks the arguments
 
     def event(sigma: float) -> dp_event.DpEvent:
-        training = dp_sgd_event(rate, sigma, total_steps)
+        training = phase_event(_planned_phase(scheme, num_examples, batch_size, sigma, total_steps, parameter))
         return training if prior_event is None else dp_event.ComposedDpEvent([prior_event, training])
 
-    def epsilon(sigma: float) -> float:
-        return epsilon_of_event(event(sigma), delta, accountant)
+    return calibrate_sigma(event, target_epsilon, delta, accountant)
 
-    if rdp_of_event(event(1.0), orders=()) is None:  # not RDP curves: search on ε itself
-        return _smallest_sigma_within(epsilon, target_epsilon)
+
+def calibrate_sigma(event: Callable[[float], dp_event.DpEvent], target_epsilon: float, delta: float,
+                    accountant: str = DEFAULT_ACCOUNTANT) -> float:
+    """Smallest σ on the grid of the doubling-from-1-then-bisection search (to 0.1 % relative,
+    up to ``LARGEST_NOISE_MULTIPLIER``) with ε(event(σ)) ≤ target, for ε decreasing in σ
+    (docs/algorithms.md A.4).
+
+    Args:
+      event: σ ↦ the DpEvent whose ε must meet the target.
+      target_epsilon, delta, accountant: the budget and its accountant.
+
+    Returns:
+      σ. Raises ``ValueError`` if even ``LARGEST_NOISE_MULTIPLIER`` exceeds the target.
+    """
+    target_epsilon = _checks.positive("target_epsilon", target_epsilon)
+    delta = _checks.delta(delta)
+    accountant = check_accountant(accountant)
+
+    def epsilon_at(sigma: float) -> float:
+        return epsilon(event(sigma), delta, accountant)
+
+    if accountant not in ACCOUNTANTS or rdp_of_event(event(1.0), orders=()) is None:
+        return _smallest_sigma_within(epsilon_at, target_epsilon)  # not RDP curves: search on ε itself
     rdp = _LocalRdpEpsilon(event, delta)
     estimate, slope = _log_log_root(rdp, target_epsilon, start=1.0, tolerance=1e-7)
     if estimate is None:  # no finite root (e.g. a prior event already spent the budget)
-        return _bisect_sigma(_BudgetCheck(epsilon, target_epsilon).exceeds, target_epsilon, 1e-3)[1]
+        return _bisect_sigma(_BudgetCheck(epsilon_at, target_epsilon).exceeds, target_epsilon, 1e-3)[1]
     if accountant == "rdp":
-        return _smallest_sigma_within(epsilon, target_epsilon, estimate=estimate,
+        return _smallest_sigma_within(epsilon_at, target_epsilon, estimate=estimate,
                                       fits=lambda sigma: rdp(sigma) <= target_epsilon)
     # PLD: no curve to reuse, but the RDP answer and slope start the secant close by.
-    return _smallest_sigma_within(epsilon, target_epsilon, start=estimate, slope=slope)
+    return _smallest_sigma_within(epsilon_at, target_epsilon, start=estimate, slope=slope)
 
 
 class _LocalRdpEpsilon:
@@ -259,7 +389,7 @@ def _log_log_root(epsilon: Callable[[float], float], target: float, start: float
     still exceeds the target beyond twice the largest σ the bisection tries."""
     x, y = math.log(start), _log_ratio(epsilon(start), target)
     for _ in range(max_evaluations):
-        if y > 0 and x > math.log(2 * _LARGEST_SIGMA):
+        if y > 0 and x > math.log(2 * LARGEST_NOISE_MULTIPLIER):
             break  # ε still above the target where the bisection gives up
         step = _secant_step(y, slope)
         if abs(step) < tolerance:
@@ -338,7 +468,7 @@ def _smallest_sigma_within(epsilon: Callable[[float], float], target: float, rel
     if estimate is None:
         estimate, slope = _log_log_root(check.epsilon, target, start, slope, tolerance=3e-4)
     for _ in range(2):  # a second prediction restarts from the end of the interval that failed
-        if estimate is None or not 0 < estimate <= _LARGEST_SIGMA:
+        if estimate is None or not 0 < estimate <= LARGEST_NOISE_MULTIPLIER:
             break
         low, high = _bisect_sigma(lambda sigma: sigma < estimate, target, relative_tolerance)
         low_exceeds = low == 0 or check.exceeds(low)
@@ -355,10 +485,10 @@ def _bisect_sigma(exceeds: Callable[[float], bool], target: float, relative_tole
     high = 1.0
     while exceeds(high):
         high *= 2
-        if high > _LARGEST_SIGMA:
+        if high > LARGEST_NOISE_MULTIPLIER:
             raise ValueError(
-                f"target_epsilon={target} is unreachable: even noise_multiplier=1e4 exceeds it "
-                "(was the budget already spent by earlier training?). Raise target_epsilon."
+                f"target_epsilon={target} is unreachable: even noise_multiplier={LARGEST_NOISE_MULTIPLIER:g} exceeds "
+                "it (was the budget already spent by earlier training?). Raise target_epsilon."
             )
     low = high / 2 if high > 1.0 else 0.0
     while high - low > relative_tolerance * high:

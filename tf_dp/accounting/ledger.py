@@ -1,55 +1,54 @@
-"""The privacy ledger: what a model actually ran, saved with the model.
+"""The privacy ledger: what a model actually ran, saved with the model (docs/algorithms.md A.2).
 
 One row per phase — a stretch of steps with the same sampling scheme, sampling rate q,
-noise multiplier σ, N and L — plus the count of DP steps taken. Rows and the counter are
-Keras variables, so ``model.save(".keras")`` and checkpoints keep them, and ε after a
-reload covers every step ever taken. ε is the composition of all phases:
+noise multiplier σ, N, L and scheme parameter — plus the count of DP steps taken. Rows and
+the counter are Keras variables, so ``model.save(".keras")`` and checkpoints keep them, and ε
+after a reload covers every step ever taken. ε is the composition of all phases, each turned
+into a dp_accounting event by its scheme (``tf_dp.accounting.events``):
 
     poisson:  T_k × PoissonSampled(q_k, Gaussian(σ_k))
     batches:  T_k × Gaussian(σ_k)   (batches we could not resample: no amplification
               is claimed; each step may contain any example)
+    others:   the event their package registered (``register_event``).
+
+A row is [scheme code, q, σ, N, L, first step, parameter, segment].
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
 from dp_accounting import dp_event
 
-from tf_dp.accounting.accountant import epsilon_of_event
-from tf_dp.accounting.gaussian_laplace import epsilon_of_phases as joint_epsilon_of_phases
+from tf_dp.accounting import events
+from tf_dp.accounting.events import Phase, composed_event  # noqa: F401  (Phase is part of the ledger's API)
 
-SCHEMES = {1: "poisson", 2: "batches"}
-_CODES = {name: code for code, name in SCHEMES.items()}
 MAX_PHASES = 256
-# scheme, sampling_rate, noise_multiplier, num_examples, expected_batch_size, first_step, histogram_noise
-_COLUMNS = 7
+# scheme, sampling_rate, noise_multiplier, num_examples, expected_batch_size, first_step, parameter, segment
+_COLUMNS = 8
+_SCHEME, _SIGMA, _FIRST_STEP, _PARAMETER, _SEGMENT = 0, 2, 5, 6, 7
+_SETTINGS = [0, 1, 2, 3, 4, 6]  # what must match for open_phase to continue the current phase
+# Ledgers written before the scheme table held RaCO-DP's code (7 columns, and older): a
+# "poisson" row with a nonzero column 6 (the Laplace scale) is a "raco_poisson" phase.
+_LEGACY_CODE, _LEGACY_PARAMETERISED_SCHEME = events.SCHEME_CODES["poisson"], "raco_poisson"
 
 
-@dataclass(frozen=True)
-class Phase:
-    scheme: str
-    sampling_rate: float
-    noise_multiplier: float
-    num_examples: int
-    expected_batch_size: float
-    steps: int
-    histogram_noise: float = 0.0  # RaCO-DP's Laplace scale 1/b on the same batch (0: none)
+def _scheme_name(code: float, parameter: float) -> str:
+    names = {c: name for name, c in events.SCHEME_CODES.items()}
+    if int(code) == _LEGACY_CODE and parameter:
+        return _LEGACY_PARAMETERISED_SCHEME
+    if int(code) not in names:
+        raise ValueError(f"The privacy ledger holds a phase of unknown scheme code {int(code)} (known: {names}); "
+                         "import the package that registers it.")
+    return names[int(code)]
 
-    def event(self) -> dp_event.DpEvent:
-        if self.histogram_noise:
-            raise ValueError("A RaCO-DP phase (Gaussian + Laplace on one batch) has no dp_accounting event; "
-                             "use PrivacyLedger.epsilon, which accounts it jointly.")
-        if self.steps == 0:
-            return dp_event.NoOpDpEvent()
-        if self.noise_multiplier == 0:
-            return dp_event.NonPrivateDpEvent()
-        gaussian = dp_event.GaussianDpEvent(self.noise_multiplier)
-        step = dp_event.PoissonSampledDpEvent(self.sampling_rate, gaussian) if self.scheme == "poisson" else gaussian
-        return dp_event.SelfComposedDpEvent(step, self.steps)
+
+def _scheme_code(scheme: str) -> int:
+    if scheme not in events.SCHEME_CODES:
+        raise ValueError(f"`scheme` must be one of {sorted(events.SCHEME_CODES)}, got {scheme!r}.")
+    return events.SCHEME_CODES[scheme]
 
 
 class PrivacyLedger(tf.Module):
@@ -79,38 +78,44 @@ class PrivacyLedger(tf.Module):
         store[self.STORE_KEYS[1]] = self.steps.numpy()
 
     def load_from(self, store) -> None:
-        saved = np.asarray(store[self.STORE_KEYS[0]])
-        if len(saved) > MAX_PHASES and saved[MAX_PHASES:, 0].any():
-            raise ValueError(f"The saved privacy ledger has more than {MAX_PHASES} phases.")
-        table = np.zeros((MAX_PHASES, _COLUMNS))
-        table[: min(len(saved), MAX_PHASES)] = saved[:MAX_PHASES]  # files of older versions held 64 rows
-        self.phase_table.assign(table)
+        self.phase_table.assign(upgraded_table(np.asarray(store[self.STORE_KEYS[0]])))
         self.steps.assign(np.asarray(store[self.STORE_KEYS[1]]))
 
     def _rows(self) -> np.ndarray:
         table = np.asarray(self.phase_table.numpy())
-        return table[table[:, 0] > 0]
+        return table[table[:, _SCHEME] > 0]
 
     def phases(self) -> list[Phase]:
         rows, total = self._rows(), int(self.steps.numpy())
-        ends = list(rows[1:, 5].astype(np.int64)) + [total]
+        ends = list(rows[1:, _FIRST_STEP].astype(np.int64)) + [total]
         return [
-            Phase(SCHEMES[int(r[0])], float(r[1]), float(r[2]), int(r[3]), float(r[4]), int(end - r[5]), float(r[6]))
+            Phase(_scheme_name(r[0], r[6]), float(r[1]), float(r[2]), int(r[3]), float(r[4]), int(end - r[5]),
+                  float(r[6]), int(r[7]))
             for r, end in zip(rows, ends)
         ]
 
     def open_phase(self, scheme: str, sampling_rate: float, noise_multiplier: float, num_examples: int,
-                   expected_batch_size: float, histogram_noise: float = 0.0) -> None:
-        """Starts a phase at the current step unless the current phase has the same settings."""
-        if histogram_noise and scheme != "poisson":
-            raise ValueError("RaCO-DP's joint accounting needs Poisson sampling (pass arrays to fit).")
-        row = np.array([_CODES[scheme], sampling_rate, noise_multiplier, num_examples, expected_batch_size,
-                        int(self.steps.numpy()), histogram_noise], dtype=np.float64)
+                   expected_batch_size: float, parameter: float = 0.0, *, new_segment: bool = False) -> None:
+        """Starts a phase at the current step unless the current phase has the same settings.
+
+        Args:
+          scheme: a scheme of ``events.SCHEME_CODES`` ("poisson", "batches", ...).
+          sampling_rate, noise_multiplier, num_examples, expected_batch_size: q, σ, N, L.
+          parameter: the scheme's parameter (``Phase.parameter``; 0.0 for "poisson" and
+            "batches"). A nonzero parameter with scheme "poisson" is the call of models
+            that predate the scheme table: it records a "raco_poisson" phase.
+          new_segment: start a new phase (and segment) even at the same settings — a sampler
+            whose run restarts (e.g. BandMF's noise buffer) must not continue the last one.
+        """
+        if scheme == "poisson" and parameter:
+            scheme = _LEGACY_PARAMETERISED_SCHEME
+        row = np.array([_scheme_code(scheme), sampling_rate, noise_multiplier, num_examples, expected_batch_size,
+                        int(self.steps.numpy()), float(parameter), 0.0], dtype=np.float64)
         rows = self._rows()
-        settings = [0, 1, 2, 3, 4, 6]
-        if len(rows) and np.array_equal(rows[-1, settings], row[settings]):
+        if len(rows) and not new_segment and np.array_equal(rows[-1, _SETTINGS], row[_SETTINGS]):
             return
-        if len(rows) and rows[-1, 5] == row[5]:  # the current phase took no step: replace it
+        row[_SEGMENT] = rows[:, _SEGMENT].max() + 1 if len(rows) else 1
+        if len(rows) and rows[-1, _FIRST_STEP] == row[_FIRST_STEP]:  # the current phase took no step: replace it
             index = len(rows) - 1
         else:
             index = len(rows)
@@ -191,14 +196,14 @@ class PrivacyLedger(tf.Module):
     def event(self) -> dp_event.DpEvent:
         return composed_event(self.accounted_phases())
 
-    def epsilon(self, delta: float, accountant: str = "rdp") -> float:
+    def epsilon(self, delta: float, accountant: str = events.DEFAULT_ACCOUNTANT) -> float:
         """ε at δ of every step taken so far (0 before the first step)."""
         if int(self.steps.numpy()) == 0:
             return 0.0
-        return epsilon_of_phases(self.accounted_phases(), delta, accountant)
+        return events.epsilon(self.accounted_phases(), delta, accountant)
 
     def epsilon_if_continued(self, extra_steps: int, noise_multiplier: float, delta: float,
-                             accountant: str = "rdp") -> float:
+                             accountant: str = events.DEFAULT_ACCOUNTANT) -> float:
         """ε after ``extra_steps`` more steps of the current phase at ``noise_multiplier``
         (the σ the next steps will use, which a callback may have changed)."""
         phases = self.accounted_phases()
@@ -206,22 +211,30 @@ class PrivacyLedger(tf.Module):
             raise ValueError("No phase is open: the ledger cannot project future steps.")
         future = dataclasses.replace(phases[-1], noise_multiplier=float(np.float32(noise_multiplier)),
                                      steps=int(extra_steps))
-        return epsilon_of_phases(phases + [future], delta, accountant)
+        return events.epsilon(phases + [future], delta, accountant)
 
 
-def composed_event(phases: list[Phase]) -> dp_event.DpEvent:
-    events = [p.event() for p in phases]
-    return dp_event.ComposedDpEvent(events) if events else dp_event.NoOpDpEvent()
+def upgraded_table(saved: np.ndarray) -> np.ndarray:
+    """A saved phase table in today's layout: MAX_PHASES rows (files of older versions held
+    64), 8 columns (7 before the segment column: each old row is its own segment)."""
+    saved = np.asarray(saved, dtype=np.float64)
+    if saved.ndim != 2 or not 6 <= saved.shape[1] <= _COLUMNS:
+        raise ValueError(f"The saved privacy ledger's phase table has shape {saved.shape}; "
+                         f"expected (rows, {_COLUMNS}).")
+    if len(saved) > MAX_PHASES and saved[MAX_PHASES:, _SCHEME].any():
+        raise ValueError(f"The saved privacy ledger has more than {MAX_PHASES} phases.")
+    table = np.zeros((MAX_PHASES, _COLUMNS))
+    kept = saved[:MAX_PHASES]
+    table[: len(kept), : saved.shape[1]] = kept
+    if saved.shape[1] <= _SEGMENT:
+        used = table[:, _SCHEME] > 0
+        table[used, _SEGMENT] = np.arange(1, used.sum() + 1)
+    return table
 
 
-def epsilon_of_phases(phases: list[Phase], delta: float, accountant: str = "rdp") -> float:
-    """ε at δ of the composition of ``phases``; RaCO-DP phases (Gaussian + Laplace on one
-    batch) are accounted jointly (``tf_dp.accounting.gaussian_laplace``)."""
-    if not any(p.steps for p in phases):
-        return 0.0
-    if any(p.histogram_noise for p in phases):
-        return joint_epsilon_of_phases(phases, delta, accountant)
-    return epsilon_of_event(composed_event(phases), delta, accountant)
+def epsilon_of_phases(phases: list[Phase], delta: float, accountant: str = events.DEFAULT_ACCOUNTANT) -> float:
+    """ε at δ of the composition of ``phases`` (``tf_dp.accounting.events.epsilon``)."""
+    return events.epsilon(list(phases), delta, accountant)
 
 
 class _Untracked:

@@ -19,7 +19,6 @@ from typing import Sequence
 import tensorflow as tf
 
 
-LAPLACE_STREAM = -1  # the stream of RaCO-DP's histogram noise; Gaussian streams are ≥ 0
 _FIELD = 2**20  # variables and replicas per step, each < 2^20
 
 
@@ -27,8 +26,8 @@ def draw_seed(key: tf.Tensor, step: tf.Tensor, stream: tf.Tensor) -> tf.Tensor:
     """The Philox seed pair of one draw: fold_in((key, step), stream).
 
     ``step`` (the ledger's DP step) and ``stream`` (a variable × replica × replica-count
-    code, or LAPLACE_STREAM) enter separately and are hashed, so two draws share a seed only
-    if they share (key, step, stream) — whatever the number of variables or replicas (a
+    code ≥ 0, or a negative stream such as ``tf_dp.noise.laplace.LAPLACE_STREAM``) enter
+    separately and are hashed, so two draws share a seed only if they share (key, step, stream) — whatever the number of variables or replicas (a
     recompile with fewer trainable variables, or a resume on another replica count, never
     lands on an earlier step's counters).
     """

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_dp.noise.gaussian import LAPLACE_STREAM, draw_seed
+from tf_dp.noise.gaussian import draw_seed
+
+LAPLACE_STREAM = -1  # the stream of RaCO-DP's histogram noise; Gaussian streams are ≥ 0
 
 
 def laplace_noise(shape, scale: tf.Tensor, seed: tf.Tensor, step: tf.Tensor, dtype=tf.float32) -> tf.Tensor:

@@ -6,6 +6,7 @@ example's Lagrangian term + dual ascent on λ → joint (Gaussian, Laplace) acco
 
 from tf_dp.raco.accounting import (
     HISTOGRAM_MECHANISMS,
+    GaussianLaplaceDpEvent,
     calibrate_noise_multiplier,
     calibrate_steps,
     compute_epsilon,
@@ -25,7 +26,8 @@ from tf_dp.raco.histogram import NoisyHistogram
 from tf_dp.raco.model import MultiplierReport, RateConstrainedModel
 
 __all__ = [
-    "Constraint", "ConstraintSet", "DemographicParity", "EqualizedOdds", "FalseNegativeRate", "HISTOGRAM_MECHANISMS",
+    "Constraint", "ConstraintSet", "DemographicParity", "EqualizedOdds", "FalseNegativeRate",
+    "GaussianLaplaceDpEvent", "HISTOGRAM_MECHANISMS",
     "MultiplierReport", "NoisyHistogram", "RateConstrainedModel", "RateConstraint", "calibrate_noise_multiplier",
     "calibrate_steps", "compute_epsilon", "effective_noise_multiplier", "epsilon_of_phases", "joint_step_pld",
 ]
