@@ -57,6 +57,7 @@ class DPFitting:
         augmentation_multiplicity: int = 1,
         user_ids=None,
         examples_per_user: Optional[int] = None,
+        sampling=None,
         **kwargs,
     ):
         """Keras ``fit`` with Poisson sampling (rate q = batch_size / N) for arrays (numpy,
@@ -122,7 +123,7 @@ class DPFitting:
         if batch_size is None:
             raise ValueError("`batch_size` (the expected Poisson batch size L) is required for DP fit.")
         scheme = scheme_for_fit(getattr(self.optimizer, "privatizer", None), num_examples,
-                                _checks.batch_size_for(num_examples, batch_size),
+                                _checks.batch_size_for(num_examples, batch_size), sampling,
                                 **sampling_arguments)
         views = self._views(augment, augmentation_multiplicity, scheme)
         self._warn_about_delta(scheme.num_units)
@@ -306,19 +307,14 @@ class DPFitting:
             )
         if scheme == "batches":
             self._declared_batch_size.assign(float(expected_batch_size))
-        extra = {"new_segment": True} if new_segment else {}  # a segment boundary even at equal settings
         self.privacy_ledger.open_phase(scheme, sampling_rate, sigma, num_examples, expected_batch_size,
-                                       parameter or self._histogram_noise(), **extra)
+                                       parameter, new_segment=new_segment)
 
     def reopen_phase(self):
         """Re-records the running phase (after a callback such as BackupAndRestore has
         replaced the ledger with a checkpoint's): its steps are then composed correctly."""
         if getattr(self, "_phase_arguments", None):
             self._open_phase(*self._phase_arguments)
-
-    def _histogram_noise(self) -> float:
-        """Laplace scale of a histogram released from the same batch (RaCO-DP); 0: none."""
-        return 0.0
 
     def _privacy_callbacks(self, scheme, planned_steps):
         """PrivacyReport, and with ``compile(target_epsilon=...)`` the calibrated σ and a

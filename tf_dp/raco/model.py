@@ -22,6 +22,7 @@ from tf_dp import _checks
 from tf_dp.models.dp_model import DPModel, functional_variant
 from tf_dp.raco.constraints import Constraint, ConstraintSet
 from tf_dp.raco.histogram import NoisyHistogram, tempered
+from tf_dp.raco.sampling import JointPoissonSampling
 
 _STORE_KEY = "raco_multipliers"
 
@@ -80,8 +81,10 @@ class RateConstrainedModel(DPModel):
             raise ValueError("RateConstrainedModel.fit needs arrays x, y and groups (Poisson batches, accounted "
                              "jointly with the histogram); a tf.data.Dataset is not supported.")
         self._fit_groups = self._checked_groups(groups, y)
+        scale = float(self.histogram.noise_scale)
         try:
-            return super().fit(x, y, **kwargs)
+            return super().fit(x, y, sampling=lambda n, size: JointPoissonSampling(n, size, histogram_noise=scale),
+                               **kwargs)
         finally:
             self._fit_groups = None
 
@@ -107,9 +110,6 @@ class RateConstrainedModel(DPModel):
 
     def _per_example_extras(self, num_examples):
         return {"groups": self._fit_groups}
-
-    def _histogram_noise(self) -> float:
-        return float(self.histogram.noise_scale)
 
     def _require_raco_compiled(self):
         if getattr(self, "constraint_set", None) is None:

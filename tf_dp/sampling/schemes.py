@@ -90,7 +90,7 @@ class PoissonSampling(SamplingScheme):
                               chunk_multiple=chunk_multiple)
 
 
-def scheme_for_fit(privatizer, num_examples: int, batch_size: int, **fit_arguments) -> SamplingScheme:
+def scheme_for_fit(privatizer, num_examples: int, batch_size: int, sampling=None, **fit_arguments) -> SamplingScheme:
     """The scheme ``fit`` samples with: the one the privatizer requires (BandMF: cyclic
     Poisson), or the one ``fit_arguments`` select (``user_ids``: user-level Poisson), else
     Poisson sampling of examples. Schemes that cannot be combined are refused.
@@ -99,9 +99,16 @@ def scheme_for_fit(privatizer, num_examples: int, batch_size: int, **fit_argumen
       privatizer: the optimizer's ``tf_dp.noise.Privatizer``.
       num_examples: the number of training examples N.
       batch_size: ``fit``'s batch_size (expected units per step).
+      sampling: a plug-in's own scheme: ``sampling(num_examples, batch_size)`` returns it
+        (RaCO-DP passes its joint Gaussian + Laplace scheme); None chooses as above.
       **fit_arguments: fit's sampling arguments that are not None (e.g. user_ids,
         examples_per_user); each registered scheme names those it takes in ``FIT_ARGUMENTS``.
     """
+    if sampling is not None:
+        given = sorted(name for name, value in fit_arguments.items() if value is not None)
+        if given or getattr(privatizer, "required_sampling", None):
+            raise ValueError(f"This model samples with its own scheme; it cannot be combined with {given or privatizer}.")
+        return sampling(num_examples, _checks.positive_int("batch_size", batch_size))
     required = getattr(privatizer, "required_sampling", None)
     given = {name: value for name, value in fit_arguments.items() if value is not None}
     chosen = [name for name, cls in SAMPLING_SCHEMES.items() if given and set(given) & set(_fit_arguments(cls))]
