@@ -1,0 +1,253 @@
+"""Banded matrix-factorization noise, BandMF / MF-DP-FTRL (docs/algorithms.md §10).
+
+The released noisy sum of step t is x_t + w_t, where x_t = Σ_i ḡ_i(t) is the clipped sum
+and w = C⁻¹z is noise CORRELATED across steps: z_t ~ N(0, σ²C_clip² I) is the very draw
+DP-SGD would add at (key, t, variable) (``tf_dp.noise.gaussian.gaussian_draw``), and C is the
+lower-triangular b-banded Toeplitz matrix with C[t, t−j] = c_j for j < b, normalised so that
+Σ_j c_j² = 1 (its largest column norm). Forward substitution gives w online:
+
+    w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0,
+
+so the state is the last b − 1 vectors w (memory (b − 1)·|θ|). b = 1 is DP-SGD bit for bit.
+
+The privacy account of this noise holds only with cyclic Poisson sampling
+(``tf_dp.sampling.CyclicPoissonSampler``: example i may join only steps t ≡ group(i) mod b), so
+``required_sampling = "cyclic_poisson"``; the event is ``tf_dp.accounting.bandmf.bandmf_event``.
+
+Secrecy (docs/algorithms.md §10, Appendix B): the buffer determines future noise exactly as the
+key does, so it lives in ``tf.Variable``s held by a plain Python object (``_NoiseBuffer``, like
+``tf_dp.noise.NoiseKey``) that neither Keras saving nor ``tf.train.Checkpoint`` can reach. A
+resumed model, a re-keyed one or a new ``fit`` (a new group assignment) starts a fresh, zero
+buffer via ``reset``: the factorization becomes block-diagonal, still b-banded with column norms
+≤ 1, so the account holds (the ledger starts a new segment).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dp import _checks
+from tf_dp.noise.gaussian import add_gaussian_noise, gaussian_draw
+from tf_dp.noise.privatizer import Privatizer, register_privatizer
+
+
+def sqrt_coefficients(num_bands: int) -> np.ndarray:
+    """c_j = binom(2j, j)/4^j for j < b (1, 1/2, 3/8, 5/16, …): the first b coefficients of
+    (1 − x)^(−1/2), the square root of the prefix-sum workload; not yet normalised (§10)."""
+    coefficients = np.ones(num_bands, dtype=np.float64)
+    for j in range(1, num_bands):
+        coefficients[j] = coefficients[j - 1] * (2 * j - 1) / (2 * j)
+    return coefficients
+
+
+def normalized_coefficients(num_bands: int, coefficients: Union[str, Sequence[float]] = "sqrt") -> np.ndarray:
+    """c / ‖c‖₂, so that the banded Toeplitz C has largest column norm 1 (docs/algorithms.md §10).
+
+    Args:
+      num_bands: b ≥ 1.
+      coefficients: "sqrt" (``sqrt_coefficients``) or b numbers c_0 > 0, c_1, …, c_{b−1}.
+
+    Returns:
+      float64 array of length b with Σ c_j² = 1.
+    """
+    if isinstance(coefficients, str):
+        if coefficients != "sqrt":
+            raise ValueError(f"`coefficients` must be 'sqrt' or a sequence of {num_bands} numbers, got "
+                             f"{coefficients!r}.")
+        raw = sqrt_coefficients(num_bands)
+    else:
+        raw = _checked_sequence(num_bands, coefficients)
+    normalized = raw / math.sqrt(float(np.sum(raw * raw)))
+    _warn_if_unstable(normalized)
+    return normalized
+
+
+def _checked_sequence(num_bands: int, coefficients) -> np.ndarray:
+    try:
+        raw = np.asarray([float(c) for c in coefficients], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"`coefficients` must be 'sqrt' or a sequence of {num_bands} real numbers, got "
+                        f"{coefficients!r}.") from None
+    if raw.shape != (num_bands,):
+        raise ValueError(f"`coefficients` must have num_bands = {num_bands} entries (c_0..c_{num_bands - 1}), "
+                         f"got {raw.size}.")
+    if not np.all(np.isfinite(raw)):
+        raise ValueError(f"`coefficients` must be finite, got {list(raw)}.")
+    if raw[0] <= 0:
+        raise ValueError(f"`coefficients[0]` (c_0, the diagonal of C) must be > 0 so that C is invertible, got "
+                         f"{raw[0]}.")
+    return raw
+
+
+def _warn_if_unstable(coefficients: np.ndarray) -> None:
+    """The recursion w_t = (z_t − Σ c_j w_{t−j})/c_0 grows geometrically when the polynomial
+    Σ c_j x^j has a root inside the unit disk (utility, not privacy). Positive, non-increasing
+    coefficients such as "sqrt" never do (Eneström–Kakeya)."""
+    if len(coefficients) < 2:
+        return
+    roots = np.roots(coefficients[::-1])
+    if len(roots) and np.min(np.abs(roots)) < 1 - 1e-9:
+        warnings.warn(f"tf_dp.noise.BandMF: the coefficients {[round(float(c), 4) for c in coefficients]} make C⁻¹ grow geometrically "
+                      f"(a root of Σ c_j x^j has modulus {np.min(np.abs(roots)):.3g} < 1): the noise w = C⁻¹z "
+                      "explodes over many steps. Use coefficients='sqrt'.", UserWarning, stacklevel=3)
+
+
+class _NoiseBuffer:
+    """The last b − 1 noise vectors w, one [b − 1, *shape] variable per trainable variable.
+
+    A plain Python object (not a ``tf.Module``/``Trackable``): whatever holds it is saved
+    without it. Slot k of every variable holds w_s for the latest released step s ≡ k mod (b − 1).
+    """
+
+    def __init__(self, variables: Sequence, slots: int):
+        with tf.init_scope():
+            self.variables = [
+                tf.Variable(tf.zeros([slots, *variable.shape], dtype=tf.as_dtype(variable.dtype)), trainable=False,
+                            name=f"bandmf_buffer_{index}")
+                for index, variable in enumerate(variables)
+            ]
+        self.shapes = [tuple(variable.shape) for variable in variables]
+        self.dtypes = [tf.as_dtype(variable.dtype) for variable in variables]
+
+    def matches(self, variables: Sequence) -> bool:
+        return [tuple(v.shape) for v in variables] == self.shapes and [tf.as_dtype(v.dtype) for v in variables] \
+            == self.dtypes
+
+    def zero(self) -> None:
+        for buffer in self.variables:
+            buffer.assign(tf.zeros_like(buffer))
+
+    def num_bytes(self) -> int:
+        return sum(int(np.prod(b.shape)) * b.dtype.size for b in self.variables)
+
+    def __repr__(self) -> str:
+        return "_NoiseBuffer(<secret>)"
+
+
+@register_privatizer("bandmf")
+class BandMF(Privatizer):
+    """Banded matrix-factorization noise (docs/algorithms.md §10): x_t + w_t with w = C⁻¹z.
+
+    Args:
+      num_bands: b, the number of bands of C (1: DP-SGD). Memory: (b − 1)·|θ| floats.
+      coefficients: "sqrt" (c_j = binom(2j, j)/4^j) or b numbers c_0 > 0, …; normalised to
+        Σ c_j² = 1 either way.
+
+    Use with ``tf_dp.DPSGD(..., noise=tf_dp.noise.BandMF(4))``; ``fit`` then samples with
+    ``tf_dp.sampling.CyclicPoissonSampler`` (each example in one of b groups, q_b = b·L/N).
+    Single replica only (a multi-replica strategy is refused).
+    """
+
+    required_sampling = "cyclic_poisson"
+
+    def __init__(self, num_bands: int, coefficients: Union[str, Sequence[float]] = "sqrt"):
+        self.num_bands = _checks.positive_int("num_bands", num_bands)
+        self.coefficients = normalized_coefficients(self.num_bands, coefficients)
+        self._coefficients_config = coefficients if isinstance(coefficients, str) else [float(c) for c in coefficients]
+        self._buffer: Optional[_NoiseBuffer] = None
+        self._warned_resume = False
+
+    # -- state --
+    def build(self, variables: Sequence) -> None:
+        """Creates the zero buffer of b − 1 vectors per variable (eagerly, before tracing)."""
+        _refuse_replicas(_strategy_replicas())
+        variables = list(variables)
+        if self.num_bands == 1:
+            return
+        if self._buffer is None or not self._buffer.matches(variables):
+            self._buffer = _NoiseBuffer(variables, self.num_bands - 1)
+
+    def reset(self, dp_step: int = 0) -> None:
+        """Zeros the buffer: a fresh factorization segment (a new fit, a re-key, a resume).
+
+        Args:
+          dp_step: the ledger's step count; > 0 means a trained model continues with a fresh
+            buffer, which is warned once (the factorization becomes block-diagonal).
+        """
+        if self._buffer is not None:
+            self._buffer.zero()
+        if int(dp_step) > 0 and self.num_bands > 1 and not self._warned_resume:
+            self._warned_resume = True
+            warnings.warn(f"tf_dp.noise.BandMF: this model has taken {int(dp_step)} DP steps; its noise continues "
+                          "with a fresh buffer (the previous one is never saved), so the factorization restarts "
+                          "here: the privacy account holds, the noise is a little less favourable than an "
+                          "uninterrupted run's.", UserWarning, stacklevel=2)
+
+    def buffer_bytes(self) -> int:
+        """Memory of the secret buffer: (b − 1)·|θ|·(bytes per float)."""
+        return 0 if self._buffer is None else self._buffer.num_bytes()
+
+    # -- the mechanism --
+    def privatize(self, clipped_sums, stddev, key, dp_step, replica=0, replicas=1, release=None):
+        """x_t + w_t, w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j})/c_0 (docs/algorithms.md §10).
+
+        Args:
+          clipped_sums, stddev, key, dp_step, replica, replicas: as ``Privatizer.privatize``;
+            z_t is ``gaussian_draw(..., key, dp_step, variable, replica, replicas)``.
+          release: None or a scalar; 0 (a step a privacy budget blocks) leaves the buffer
+            unchanged, so the next release, which reuses this step's counter, continues it.
+
+        Returns:
+          The noisy sums x_t + w_t, one per variable.
+        """
+        _refuse_replicas(replicas)
+        clipped_sums = list(clipped_sums)
+        if self.num_bands == 1:  # C = [1]: the very computation of GaussianNoise
+            return add_gaussian_noise(clipped_sums, stddev, key, dp_step, replica, replicas)
+        if self._buffer is None or len(self._buffer.variables) != len(clipped_sums):
+            raise RuntimeError("BandMF.privatize: call build(trainable_variables) first (the DP optimizer does).")
+        slot, past_coefficients = self._ring(dp_step)
+        keep = None if release is None else tf.cast(release, tf.float32) > 0
+        noisy = []
+        for index, (clipped, buffer) in enumerate(zip(clipped_sums, self._buffer.variables)):
+            fresh = gaussian_draw(tf.shape(clipped), clipped.dtype, stddev, key, dp_step, index, replica, replicas)
+            noise = self._correlated(fresh, buffer, past_coefficients)
+            self._store(buffer, slot, noise, keep)
+            noisy.append(clipped + noise)
+        return noisy
+
+    def _ring(self, dp_step) -> tuple:
+        """(slot of w_t, the coefficient c_j of each slot's w_{t−j}) for t = dp_step.
+        Slot k holds w_{t−j} with j = ((t − k − 1) mod (b − 1)) + 1 ∈ [1, b − 1]."""
+        slots = self.num_bands - 1
+        step = tf.cast(dp_step, tf.int64)
+        lags = tf.math.floormod(step - tf.range(slots, dtype=tf.int64) - 1, slots) + 1
+        return tf.math.floormod(step, slots), tf.gather(tf.constant(self.coefficients), lags)
+
+    def _correlated(self, fresh: tf.Tensor, buffer: tf.Variable, past_coefficients: tf.Tensor) -> tf.Tensor:
+        """w_t = (z_t − Σ_k c_{j(k)} buffer[k]) / c_0."""
+        past = tf.tensordot(tf.cast(past_coefficients, buffer.dtype), buffer.read_value(), axes=1)
+        return (fresh - past) / tf.constant(self.coefficients[0], dtype=fresh.dtype)
+
+    @staticmethod
+    def _store(buffer: tf.Variable, slot: tf.Tensor, noise: tf.Tensor, keep) -> None:
+        """buffer[slot] ← w_t (it held w_{t−b+1}, no longer needed); unchanged if ``keep`` is False."""
+        if keep is not None:
+            noise = tf.where(keep, noise, tf.gather(buffer.read_value(), slot))
+        buffer.scatter_update(tf.IndexedSlices(noise[tf.newaxis], tf.reshape(slot, [1])))
+
+    # -- what fit and the ledger need --
+    def sampling_arguments(self) -> dict:
+        return {"num_bands": self.num_bands}
+
+    def get_config(self) -> dict:
+        return {"num_bands": self.num_bands, "coefficients": self._coefficients_config}
+
+    def __repr__(self) -> str:
+        return f"BandMF(num_bands={self.num_bands}, coefficients={self._coefficients_config!r})"
+
+
+def _strategy_replicas() -> int:
+    return tf.distribute.get_strategy().num_replicas_in_sync if tf.distribute.has_strategy() else 1
+
+
+def _refuse_replicas(replicas) -> None:
+    if isinstance(replicas, int) and replicas > 1:
+        raise ValueError(f"tf_dp.noise.BandMF supports a single replica for now (got {replicas} replicas): each "
+                         "replica would need its own share of the noise buffer. Train without a multi-replica "
+                         "tf.distribute strategy, or use the default Gaussian noise (noise=None).")
