@@ -7,5 +7,5 @@ from tf_dp.sampling.poisson import PoissonSampler, choose_physical_batch_size, c
 from tf_dp.sampling.sources import (ArraySource, DatasetSource, ExampleSource, RecordSource, SourceError,
                                     TFRecordSource, example_source)
 
-__all__ = ["ArraySource", "CyclicPoissonSampler", "DatasetSource", "ExampleSource", "PoissonSampler", "RecordSource", "SourceError",
-           "TFRecordSource", "choose_physical_batch_size", "chunk", "example_source", "sample_poisson_batch"]
+__all__ = ["ArraySource", "CyclicPoissonSampler", "DatasetSource", "ExampleSource", "PoissonSampler", "RecordSource",
+           "SourceError", "TFRecordSource", "choose_physical_batch_size", "chunk", "example_source", "sample_poisson_batch"]

@@ -1,0 +1,78 @@
+"""Amplified-BandMF accounting (docs/algorithms.md §10): ε of a segment equals dp_accounting's
+PoissonSampled(q_b, Gaussian(σ)) composed ⌈T/b⌉ times, under RDP and PLD."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from tf_dp.accounting import compute_epsilon, epsilon_of_event
+from tf_dp.accounting.accountant import PLD_DISCRETIZATION, RDP_ORDERS
+from tf_dp.accounting.bandmf import (accounted_rounds, bandmf_event, bandmf_segment_event,
+                                     cyclic_poisson_phase_event)
+
+DELTA = 1e-5
+
+
+def _dp_accounting_epsilon(rate, sigma, count, accountant):
+    """dp_accounting directly: a fresh accountant composing the sampled Gaussian ``count`` times."""
+    step = dp_event.PoissonSampledDpEvent(rate, dp_event.GaussianDpEvent(sigma))
+    if accountant == "rdp":
+        engine = rdp_privacy_accountant.RdpAccountant(RDP_ORDERS)
+    else:
+        engine = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    engine.compose(step, count)
+    return engine.get_epsilon(DELTA)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("steps,bands", [(2000, 4), (1001, 8), (10, 4)])
+def test_epsilon_equals_dp_accounting_composed_ceil_t_over_b_times(accountant, steps, bands):
+    n, batch, sigma = 60000, 256, 1.1
+    q_b = bands * batch / n
+    rounds = math.ceil(steps / bands)
+    expected = _dp_accounting_epsilon(q_b, sigma, rounds, accountant)
+    actual = epsilon_of_event(bandmf_event(q_b, sigma, steps, bands), DELTA, accountant)
+    assert actual == pytest.approx(expected, rel=1e-9)
+    if rounds > 1:  # ⌈T/b⌉ rounds, not ⌊T/b⌋ or T: the comparison can fail
+        fewer = _dp_accounting_epsilon(q_b, sigma, rounds - 1, accountant)
+        assert actual > fewer * (1 + 1e-6)
+
+
+def test_rounds_are_the_ceiling():
+    assert [accounted_rounds(t, 4) for t in (1, 3, 4, 5, 8, 9)] == [1, 1, 1, 2, 2, 3]
+
+
+def test_one_band_is_dp_sgd():
+    n, batch, sigma, steps = 60000, 256, 1.1, 14063
+    event = bandmf_event(batch / n, sigma, steps, 1)
+    assert epsilon_of_event(event, DELTA) == pytest.approx(compute_epsilon(n, batch, sigma, steps=steps,
+                                                                           delta=DELTA), rel=1e-12)
+
+
+def test_a_segment_is_accounted_at_its_smallest_sigma():
+    phases = [SimpleNamespace(sampling_rate=0.02, noise_multiplier=1.2, steps=300, parameter=4.0),
+              SimpleNamespace(sampling_rate=0.02, noise_multiplier=0.9, steps=101, parameter=4.0)]
+    event = bandmf_segment_event(phases)
+    assert event == bandmf_event(0.02, 0.9, 401, 4)
+    assert epsilon_of_event(event, DELTA) == pytest.approx(_dp_accounting_epsilon(0.02, 0.9, 101, "rdp"), rel=1e-9)
+    assert cyclic_poisson_phase_event(phases[0]) == bandmf_event(0.02, 1.2, 300, 4)
+    with pytest.raises(ValueError, match="one q_b and one number of bands"):
+        bandmf_segment_event([phases[0], SimpleNamespace(sampling_rate=0.02, noise_multiplier=1.0, steps=5,
+                                                         parameter=2.0)])
+    assert isinstance(bandmf_segment_event([]), dp_event.NoOpDpEvent)
+
+
+def test_edge_cases_and_bad_input():
+    assert isinstance(bandmf_event(0.1, 1.0, 0, 4), dp_event.NoOpDpEvent)
+    assert epsilon_of_event(bandmf_event(0.1, 0.0, 10, 4), DELTA) == np.inf
+    with pytest.raises(ValueError, match="sampling_rate_per_group"):
+        bandmf_event(1.5, 1.0, 10, 4)
+    with pytest.raises(ValueError, match="num_bands"):
+        bandmf_event(0.1, 1.0, 10, 0)
+    with pytest.raises(ValueError, match="steps"):
+        bandmf_event(0.1, 1.0, -1, 2)
