@@ -96,3 +96,17 @@ def test_one_band_is_poisson_sampling_over_everyone():
     assert sampler.sampling_rate == pytest.approx(0.1)
     joined = _participation(sampler, 400)
     assert abs(joined.mean() - 0.1) < 5 * np.sqrt(0.1 * 0.9 / joined.size)
+
+
+def test_the_scheme_fit_picks_for_bandmf():
+    from tf_dp.noise import BandMF
+    from tf_dp.sampling.schemes import scheme_for_fit
+
+    scheme = scheme_for_fit(BandMF(4), 1000, 20)
+    assert scheme.name == "cyclic_poisson"
+    assert scheme.sampling_rate == pytest.approx(0.08) and scheme.ledger_parameter == 4.0 and scheme.new_segment
+    sampler = scheme.sampler(None, 7, False)
+    assert isinstance(sampler, CyclicPoissonSampler) and sampler.num_bands == 4
+    np.testing.assert_array_equal(sampler.batch(3)[0], CyclicPoissonSampler(1000, 20, 4, seed=7).batch(3)[0])
+    with pytest.raises(ValueError, match="num_bands=4 and batch_size=300"):
+        scheme_for_fit(BandMF(4), 1000, 300)

@@ -9,10 +9,13 @@ q_b (``tf_dp.accounting.bandmf.bandmf_event``).
 The group assignment is a secret like the batches (amplification assumes nobody knows who was
 sampled): it is drawn from the sampler's secret seed (or OS entropy) and never saved. Batch t is a
 function of (seed, t) alone, laid out like ``PoissonSampler``'s: [chunks, P] indices and a mask.
+``CyclicPoissonSampling`` is the scheme ``fit`` picks for a privatizer with
+``required_sampling = "cyclic_poisson"`` (``tf_dp.noise.BandMF``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Iterator, Optional
 
@@ -20,6 +23,7 @@ import numpy as np
 
 from tf_dp import _checks
 from tf_dp.sampling.poisson import _uniforms, choose_physical_batch_size, chunk
+from tf_dp.sampling.schemes import SamplingScheme, register_sampling
 
 _GROUP_STREAM = 0  # SeedSequence spawn keys: (0,) draws the groups, (1, t) the batch of step t
 _STEP_STREAM = 1
@@ -122,3 +126,37 @@ class CyclicPoissonSampler:
         return (f"CyclicPoissonSampler(num_examples={self.num_examples}, expected_batch_size="
                 f"{self.expected_batch_size}, num_bands={self.num_bands}, <secret groups>)")
 
+
+
+@register_sampling("cyclic_poisson")
+@dataclasses.dataclass(frozen=True)
+class CyclicPoissonSampling(SamplingScheme):
+    """Cyclic Poisson sampling over b groups (docs/algorithms.md §10.2): the ledger records q_b = b·L/N
+    and parameter b, and every ``fit`` is a new segment (a new sampler: a new group assignment, so
+    the privatizer's buffer restarts too, §10.3).
+
+    Attributes:
+      num_bands: b (from ``BandMF.sampling_arguments()``).
+    """
+
+    num_bands: int = 1
+
+    def __post_init__(self):
+        _checks.positive_int("num_bands", self.num_bands)
+        group_sampling_rate(self.num_units, self.expected_batch_size, self.num_bands)  # refuses q_b > 1
+
+    @property
+    def sampling_rate(self) -> float:
+        return group_sampling_rate(self.num_units, self.expected_batch_size, self.num_bands)
+
+    @property
+    def ledger_parameter(self) -> float:
+        return float(self.num_bands)
+
+    @property
+    def new_segment(self) -> bool:
+        return True
+
+    def sampler(self, physical_batch_size, seed, secure, chunk_multiple=1):
+        return CyclicPoissonSampler(self.num_units, self.expected_batch_size, self.num_bands, physical_batch_size,
+                                    seed, secure=secure, chunk_multiple=chunk_multiple)
