@@ -13,7 +13,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from tf_dp.accounting import compute_epsilon, epsilon_of_event
 from tf_dp.accounting.accountant import PLD_DISCRETIZATION, RDP_ORDERS
 from tf_dp.accounting.bandmf import (accounted_rounds, bandmf_event, bandmf_segment_event,
-                                     cyclic_poisson_phase_event)
+                                     calibrate_bandmf_noise_multiplier, cyclic_poisson_phase_event)
 
 DELTA = 1e-5
 
@@ -76,3 +76,17 @@ def test_edge_cases_and_bad_input():
         bandmf_event(0.1, 1.0, 10, 0)
     with pytest.raises(ValueError, match="steps"):
         bandmf_event(0.1, 1.0, -1, 2)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_calibrated_sigma_is_the_smallest_that_meets_the_target(accountant):
+    n, batch, bands, epochs, target = 60000, 256, 4, 3, 2.0
+    sigma = calibrate_bandmf_noise_multiplier(target, n, batch, bands, epochs=epochs, accountant=accountant)
+    steps = math.ceil(epochs * n / batch)
+
+    def epsilon(s):
+        return _dp_accounting_epsilon(bands * batch / n, s, math.ceil(steps / bands), accountant)
+
+    assert epsilon(sigma) <= target < epsilon(sigma * (1 - 2e-3))
+    with pytest.raises(ValueError, match="num_bands=4 and batch_size=20000"):
+        calibrate_bandmf_noise_multiplier(target, n, 20000, bands, epochs=1)

@@ -24,11 +24,12 @@ shortly before a change of σ spans rows on both sides of it.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 from dp_accounting import dp_event
 
 from tf_dp import _checks
+from tf_dp.accounting.accountant import calibrate_noise_multiplier, steps_for
 
 
 def accounted_rounds(steps: int, num_bands: int) -> int:
@@ -90,3 +91,29 @@ def cyclic_poisson_phase_event(phase) -> dp_event.DpEvent:
     """The event of a "cyclic_poisson" ledger phase that is a whole segment (its σ the smallest
     the segment used; ``parameter`` = b)."""
     return bandmf_event(phase.sampling_rate, phase.noise_multiplier, phase.steps, int(phase.parameter))
+
+
+def calibrate_bandmf_noise_multiplier(target_epsilon: float, num_examples: int, batch_size: int, num_bands: int,
+                                      epochs: Optional[float] = None, steps: Optional[int] = None,
+                                      delta: float = 1e-5, accountant: str = "rdp",
+                                      prior_event: Optional[dp_event.DpEvent] = None) -> float:
+    """Smallest σ (0.1 % relative) whose BandMF segment of T steps, composed after ``prior_event``,
+    has ε ≤ target (docs/algorithms.md §10.3, A.4).
+
+    The segment's event PoissonSampled(q_b, G(σ))^⌈T/b⌉ is DP-SGD's event at N examples, batch
+    b·L (rate q_b) and ⌈T/b⌉ steps, so this is ``calibrate_noise_multiplier`` of that problem.
+
+    Args:
+      target_epsilon, delta, accountant, prior_event: as ``calibrate_noise_multiplier``.
+      num_examples, batch_size, num_bands: N, L, b (q_b = b·L/N ≤ 1).
+      epochs, steps: the segment's length, ⌈epochs·N/L⌉ steps or ``steps`` (exactly one).
+    """
+    num_bands = _checks.positive_int("num_bands", num_bands)
+    batch_size = _checks.batch_size_for(num_examples, batch_size)
+    if num_bands * batch_size > num_examples:
+        raise ValueError(f"num_bands={num_bands} and batch_size={batch_size} give q_b = b·L/N > 1 over "
+                         f"{num_examples} examples: lower one of them.")
+    total_steps = steps_for(num_examples, batch_size, epochs, steps)
+    return calibrate_noise_multiplier(target_epsilon, num_examples, num_bands * batch_size,
+                                      steps=accounted_rounds(total_steps, num_bands), delta=delta,
+                                      accountant=accountant, prior_event=prior_event)

@@ -92,7 +92,8 @@ def _warn_if_unstable(coefficients: np.ndarray) -> None:
         return
     roots = np.roots(coefficients[::-1])
     if len(roots) and np.min(np.abs(roots)) < 1 - 1e-9:
-        warnings.warn(f"tf_dp.noise.BandMF: the coefficients {[round(float(c), 4) for c in coefficients]} make C⁻¹ grow geometrically "
+        shown = [round(float(c), 4) for c in coefficients]
+        warnings.warn(f"tf_dp.noise.BandMF: the coefficients {shown} make C⁻¹ grow geometrically "
                       f"(a root of Σ c_j x^j has modulus {np.min(np.abs(roots)):.3g} < 1): the noise w = C⁻¹z "
                       "explodes over many steps. Use coefficients='sqrt'.", UserWarning, stacklevel=3)
 

@@ -8,4 +8,5 @@ from tf_dp.sampling.sources import (ArraySource, DatasetSource, ExampleSource, R
                                     TFRecordSource, example_source)
 
 __all__ = ["ArraySource", "CyclicPoissonSampler", "DatasetSource", "ExampleSource", "PoissonSampler", "RecordSource",
-           "SourceError", "TFRecordSource", "choose_physical_batch_size", "chunk", "example_source", "sample_poisson_batch"]
+           "SourceError", "TFRecordSource", "choose_physical_batch_size", "chunk", "example_source",
+           "sample_poisson_batch"]
