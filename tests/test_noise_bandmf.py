@@ -147,19 +147,22 @@ def test_the_ring_under_xla_matches_the_inverse_of_c():
     np.testing.assert_allclose(np.array(released), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_blocked_step_leaves_the_buffer_and_the_next_release_continues_the_factorization():
+def test_a_step_repeated_at_the_same_counter_draws_the_same_noise_and_continues_the_factorization():
+    """A step a budget blocks draws but releases nothing; the next release reuses its counter
+    (docs/algorithms.md A.4). Its noise must be the uninterrupted run's (C⁻¹z, not a function
+    of the blocked draw)."""
     shapes = [(50,)]
     uninterrupted = BandMF(3)
     uninterrupted.build(_variables(shapes))
-    expected = _released(uninterrupted, 5, tf.constant(1.0), shapes=shapes)
-    blocked = BandMF(3)
-    blocked.build(_variables(shapes))
-    rows, zeros = [], [tf.zeros(s) for s in shapes]
-    for t, release in [(0, 1.0), (1, 1.0), (2, 0.0), (2, 1.0), (3, 0.0), (3, 0.0), (3, 1.0), (4, 1.0)]:
-        out = blocked.privatize(zeros, tf.constant(1.0), KEY, tf.constant(t, tf.int64), release=tf.constant(release))
-        if release:
-            rows.append(out[0].numpy())
-    np.testing.assert_allclose(np.array(rows), expected, rtol=1e-6, atol=1e-6)
+    expected = _released(uninterrupted, 6, tf.constant(1.0), shapes=shapes)
+    repeated = BandMF(3)
+    repeated.build(_variables(shapes))
+    zeros, rows = [tf.zeros(s) for s in shapes], {}
+    for t in [0, 1, 2, 2, 3, 3, 3, 4, 5]:
+        rows.setdefault(t, []).append(repeated.privatize(zeros, tf.constant(1.0), KEY, tf.constant(t, tf.int64))[0])
+    for t, outputs in rows.items():
+        for out in outputs:
+            np.testing.assert_allclose(out.numpy(), expected[t], rtol=1e-6, atol=1e-6)
 
 
 def test_reset_starts_a_fresh_segment_and_warns_once_on_a_resumed_model():
@@ -194,7 +197,8 @@ def test_sampling_requirements_config_and_registry():
     np.testing.assert_array_equal(restored.coefficients, privatizer.coefficients)
     assert BandMF(3).get_config() == {"num_bands": 3, "coefficients": "sqrt"}
     privatizer.build(_variables([(10, 10)]))
-    assert privatizer.buffer_bytes() == 3 * 100 * 4
+    assert privatizer.buffer_bytes() == 4 * 100 * 4  # b slots of |θ| float32
+    assert BandMF(1).buffer_bytes() == 0
     assert "buffer" not in repr(privatizer)
 
 

@@ -8,7 +8,10 @@ lower-triangular b-banded Toeplitz matrix with C[t, t−j] = c_j for j < b, norm
 
     w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0,
 
-so the state is the last b − 1 vectors w (memory (b − 1)·|θ|). b = 1 is DP-SGD bit for bit.
+so the state is the last b − 1 vectors w. b = 1 is DP-SGD bit for bit. The buffer keeps b slots
+(memory b·|θ|): slot t mod b receives w_t, and the slot it overwrites held w_{t−b}, which no step
+t' ≥ t reads. So a step that runs twice at the same counter (a step a privacy budget blocks and the
+release that reuses its counter, docs/algorithms.md A.4) computes the same w_t both times.
 
 The privacy account of this noise holds only with cyclic Poisson sampling
 (``tf_dp.sampling.CyclicPoissonSampler``: example i may join only steps t ≡ group(i) mod b), so
@@ -99,10 +102,10 @@ def _warn_if_unstable(coefficients: np.ndarray) -> None:
 
 
 class _NoiseBuffer:
-    """The last b − 1 noise vectors w, one [b − 1, *shape] variable per trainable variable.
+    """The latest noise vectors w, one [b, *shape] variable per trainable variable.
 
     A plain Python object (not a ``tf.Module``/``Trackable``): whatever holds it is saved
-    without it. Slot k of every variable holds w_s for the latest released step s ≡ k mod (b − 1).
+    without it. Slot k of every variable holds w_s for the latest step s ≡ k mod b.
     """
 
     def __init__(self, variables: Sequence, slots: int):
@@ -135,7 +138,7 @@ class BandMF(Privatizer):
     """Banded matrix-factorization noise (docs/algorithms.md §10): x_t + w_t with w = C⁻¹z.
 
     Args:
-      num_bands: b, the number of bands of C (1: DP-SGD). Memory: (b − 1)·|θ| floats.
+      num_bands: b, the number of bands of C (1: DP-SGD). Memory: b·|θ| floats for b > 1.
       coefficients: "sqrt" (c_j = binom(2j, j)/4^j) or b numbers c_0 > 0, …; normalised to
         Σ c_j² = 1 either way.
 
@@ -155,13 +158,13 @@ class BandMF(Privatizer):
 
     # -- state --
     def build(self, variables: Sequence) -> None:
-        """Creates the zero buffer of b − 1 vectors per variable (eagerly, before tracing)."""
+        """Creates the zero buffer of b vectors per variable (eagerly, before tracing)."""
         _refuse_replicas(_strategy_replicas())
         variables = list(variables)
         if self.num_bands == 1:
             return
         if self._buffer is None or not self._buffer.matches(variables):
-            self._buffer = _NoiseBuffer(variables, self.num_bands - 1)
+            self._buffer = _NoiseBuffer(variables, self.num_bands)
 
     def reset(self, dp_step: int = 0) -> None:
         """Zeros the buffer: a fresh factorization segment (a new fit, a re-key, a resume).
@@ -180,18 +183,17 @@ class BandMF(Privatizer):
                           "uninterrupted run's.", UserWarning, stacklevel=2)
 
     def buffer_bytes(self) -> int:
-        """Memory of the secret buffer: (b − 1)·|θ|·(bytes per float)."""
+        """Memory of the secret buffer: b·|θ|·(bytes per float) (0 for b = 1)."""
         return 0 if self._buffer is None else self._buffer.num_bytes()
 
     # -- the mechanism --
-    def privatize(self, clipped_sums, stddev, key, dp_step, replica=0, replicas=1, release=None):
+    def privatize(self, clipped_sums, stddev, key, dp_step, replica=0, replicas=1):
         """x_t + w_t, w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j})/c_0 (docs/algorithms.md §10).
 
         Args:
           clipped_sums, stddev, key, dp_step, replica, replicas: as ``Privatizer.privatize``;
-            z_t is ``gaussian_draw(..., key, dp_step, variable, replica, replicas)``.
-          release: None or a scalar; 0 (a step a privacy budget blocks) leaves the buffer
-            unchanged, so the next release, which reuses this step's counter, continues it.
+            z_t is ``gaussian_draw(..., key, dp_step, variable, replica, replicas)``. A second
+            call at the same ``dp_step`` (a blocked step's counter reused) returns the same w_t.
 
         Returns:
           The noisy sums x_t + w_t, one per variable.
@@ -203,34 +205,28 @@ class BandMF(Privatizer):
         if self._buffer is None or len(self._buffer.variables) != len(clipped_sums):
             raise RuntimeError("BandMF.privatize: call build(trainable_variables) first (the DP optimizer does).")
         slot, past_coefficients = self._ring(dp_step)
-        keep = None if release is None else tf.cast(release, tf.float32) > 0
         noisy = []
         for index, (clipped, buffer) in enumerate(zip(clipped_sums, self._buffer.variables)):
             fresh = gaussian_draw(tf.shape(clipped), clipped.dtype, stddev, key, dp_step, index, replica, replicas)
             noise = self._correlated(fresh, buffer, past_coefficients)
-            self._store(buffer, slot, noise, keep)
+            buffer.scatter_update(tf.IndexedSlices(noise[tf.newaxis], tf.reshape(slot, [1])))
             noisy.append(clipped + noise)
         return noisy
 
     def _ring(self, dp_step) -> tuple:
-        """(slot of w_t, the coefficient c_j of each slot's w_{t−j}) for t = dp_step.
-        Slot k holds w_{t−j} with j = ((t − k − 1) mod (b − 1)) + 1 ∈ [1, b − 1]."""
-        slots = self.num_bands - 1
+        """(slot of w_t, the coefficient of each slot's vector) for t = dp_step: slot k holds
+        w_{t−j}, j = (t − k) mod b; it weighs c_j for j ≥ 1 and 0 for j = 0 (slot t mod b, which
+        holds w_{t−b} before this step writes w_t there)."""
+        bands = self.num_bands
         step = tf.cast(dp_step, tf.int64)
-        lags = tf.math.floormod(step - tf.range(slots, dtype=tf.int64) - 1, slots) + 1
-        return tf.math.floormod(step, slots), tf.gather(tf.constant(self.coefficients), lags)
+        lags = tf.math.floormod(step - tf.range(bands, dtype=tf.int64), bands)
+        past = np.concatenate([[0.0], self.coefficients[1:]])
+        return tf.math.floormod(step, bands), tf.gather(tf.constant(past), lags)
 
     def _correlated(self, fresh: tf.Tensor, buffer: tf.Variable, past_coefficients: tf.Tensor) -> tf.Tensor:
         """w_t = (z_t − Σ_k c_{j(k)} buffer[k]) / c_0."""
         past = tf.tensordot(tf.cast(past_coefficients, buffer.dtype), buffer.read_value(), axes=1)
         return (fresh - past) / tf.constant(self.coefficients[0], dtype=fresh.dtype)
-
-    @staticmethod
-    def _store(buffer: tf.Variable, slot: tf.Tensor, noise: tf.Tensor, keep) -> None:
-        """buffer[slot] ← w_t (it held w_{t−b+1}, no longer needed); unchanged if ``keep`` is False."""
-        if keep is not None:
-            noise = tf.where(keep, noise, tf.gather(buffer.read_value(), slot))
-        buffer.scatter_update(tf.IndexedSlices(noise[tf.newaxis], tf.reshape(slot, [1])))
 
     # -- what fit and the ledger need --
     def sampling_arguments(self) -> dict:
