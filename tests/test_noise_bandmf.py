@@ -101,6 +101,23 @@ def test_released_noise_is_the_inverse_of_c_applied_to_dp_sgd_draws(bands):
     assert np.max(np.abs(z / privatizer.coefficients[0] - expected_noise)) > 0.1
 
 
+def test_a_changing_std_scales_unit_noise_s_c_inverse_zeta():
+    """σ_tC_t changing per step (a σ schedule, adaptive clipping): released noise = S·C⁻¹ζ with
+    ζ DP-SGD's unit draws and S = diag(s_t) (docs/algorithms.md §10.1), by numpy."""
+    steps, bands = 8, 4
+    stds = np.array([1.0, 0.5, 2.0, 2.0, 0.1, 1.5, 0.7, 3.0])
+    privatizer = BandMF(bands)
+    privatizer.build(_variables())
+    zeros = [tf.zeros(shape) for shape in SHAPES]
+    released = np.stack([np.concatenate([np.ravel(v.numpy()) for v in privatizer.privatize(
+        zeros, tf.constant(stds[t], tf.float32), KEY, tf.constant(t, tf.int64))]) for t in range(steps)])
+    unit = _gaussian_draws(steps, tf.constant(1.0))
+    expected = np.diag(stds) @ np.linalg.inv(_toeplitz(privatizer.coefficients, steps)) @ unit
+    np.testing.assert_allclose(released, expected, rtol=1e-5, atol=1e-5)
+    absolute = np.linalg.inv(_toeplitz(privatizer.coefficients, steps)) @ (np.diag(stds) @ unit)
+    assert np.max(np.abs(absolute - expected)) > 0.1  # C⁻¹z of absolute draws differs: the test can fail
+
+
 def test_empirical_covariance_over_steps_is_sigma_squared_c_inverse_c_inverse_transpose():
     """Zero sums, T = 6, n = 24 000 coordinates: Σ̂ = W Wᵀ/n vs Σ = σ²C²·C⁻¹C⁻ᵀ.
 

@@ -8,7 +8,7 @@ lower-triangular b-banded Toeplitz matrix with C[t, t−j] = c_j for j < b, norm
 
     w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0,
 
-so the state is the last b − 1 vectors w. b = 1 is DP-SGD bit for bit. The buffer keeps b slots
+so the state is the last b − 1 vectors w (kept in units of each step's σC, see ``privatize``). b = 1 is DP-SGD bit for bit. The buffer keeps b slots
 (memory b·|θ|): slot t mod b receives w_t, and the slot it overwrites held w_{t−b}, which no step
 t' ≥ t reads. So a step that runs twice at the same counter (a step a privacy budget blocks and the
 release that reuses its counter, docs/algorithms.md A.4) computes the same w_t both times.
@@ -190,6 +190,10 @@ class BandMF(Privatizer):
     def privatize(self, clipped_sums, stddev, key, dp_step, replica=0, replicas=1):
         """x_t + w_t, w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j})/c_0 (docs/algorithms.md §10).
 
+        The buffer holds w̄ = C⁻¹ζ in units of each step's std s_t = σ_tC_t (ζ_t = z_t/s_t, the
+        N(0, I) draw) and the step releases x_t + s_t·w̄_t: exactly C⁻¹z while s is constant,
+        and private at each participation's own σ when σ or the clip bound C changes (§10.1).
+
         Args:
           clipped_sums, stddev, key, dp_step, replica, replicas: as ``Privatizer.privatize``;
             z_t is ``gaussian_draw(..., key, dp_step, variable, replica, replicas)``. A second
@@ -207,10 +211,10 @@ class BandMF(Privatizer):
         slot, past_coefficients = self._ring(dp_step)
         noisy = []
         for index, (clipped, buffer) in enumerate(zip(clipped_sums, self._buffer.variables)):
-            fresh = gaussian_draw(tf.shape(clipped), clipped.dtype, stddev, key, dp_step, index, replica, replicas)
-            noise = self._correlated(fresh, buffer, past_coefficients)
-            buffer.scatter_update(tf.IndexedSlices(noise[tf.newaxis], tf.reshape(slot, [1])))
-            noisy.append(clipped + noise)
+            unit_draw = gaussian_draw(tf.shape(clipped), clipped.dtype, 1.0, key, dp_step, index, replica, replicas)
+            unit_noise = self._correlated(unit_draw, buffer, past_coefficients)
+            buffer.scatter_update(tf.IndexedSlices(unit_noise[tf.newaxis], tf.reshape(slot, [1])))
+            noisy.append(clipped + tf.cast(stddev, clipped.dtype) * unit_noise)
         return noisy
 
     def _ring(self, dp_step) -> tuple:
@@ -224,7 +228,7 @@ class BandMF(Privatizer):
         return tf.math.floormod(step, bands), tf.gather(tf.constant(past), lags)
 
     def _correlated(self, fresh: tf.Tensor, buffer: tf.Variable, past_coefficients: tf.Tensor) -> tf.Tensor:
-        """w_t = (z_t − Σ_k c_{j(k)} buffer[k]) / c_0."""
+        """w̄_t = (ζ_t − Σ_k c_{j(k)} buffer[k]) / c_0, in units of the step's σC."""
         past = tf.tensordot(tf.cast(past_coefficients, buffer.dtype), buffer.read_value(), axes=1)
         return (fresh - past) / tf.constant(self.coefficients[0], dtype=fresh.dtype)
 
