@@ -54,16 +54,19 @@ def test_one_band_is_dp_sgd():
                                                                            delta=DELTA), rel=1e-12)
 
 
+def _phase(rate, sigma, steps, bands, num_examples=1000, batch=5):
+    return SimpleNamespace(sampling_rate=rate, noise_multiplier=sigma, steps=steps, parameter=float(bands),
+                           num_examples=num_examples, expected_batch_size=float(batch))
+
+
 def test_a_segment_is_accounted_at_its_smallest_sigma():
-    phases = [SimpleNamespace(sampling_rate=0.02, noise_multiplier=1.2, steps=300, parameter=4.0),
-              SimpleNamespace(sampling_rate=0.02, noise_multiplier=0.9, steps=101, parameter=4.0)]
+    phases = [_phase(0.02, 1.2, 300, 4), _phase(0.02, 0.9, 101, 4)]
     event = bandmf_segment_event(phases)
     assert event == bandmf_event(0.02, 0.9, 401, 4)
     assert epsilon_of_event(event, DELTA) == pytest.approx(_dp_accounting_epsilon(0.02, 0.9, 101, "rdp"), rel=1e-9)
     assert cyclic_poisson_phase_event(phases[0]) == bandmf_event(0.02, 1.2, 300, 4)
     with pytest.raises(ValueError, match="one q_b and one number of bands"):
-        bandmf_segment_event([phases[0], SimpleNamespace(sampling_rate=0.02, noise_multiplier=1.0, steps=5,
-                                                         parameter=2.0)])
+        bandmf_segment_event([phases[0], _phase(0.02, 1.0, 5, 2)])
     assert isinstance(bandmf_segment_event([]), dp_event.NoOpDpEvent)
 
 
@@ -90,3 +93,9 @@ def test_calibrated_sigma_is_the_smallest_that_meets_the_target(accountant):
     assert epsilon(sigma) <= target < epsilon(sigma * (1 - 2e-3))
     with pytest.raises(ValueError, match="num_bands=4 and batch_size=20000"):
         calibrate_bandmf_noise_multiplier(target, n, 20000, bands, epochs=1)
+
+
+def test_a_phase_recording_l_over_n_is_still_accounted_at_b_l_over_n():
+    recorded_q_b, recorded_q = _phase(0.02, 1.0, 100, 4), _phase(0.005, 1.0, 100, 4)  # N = 1000, L = 5, b = 4
+    assert cyclic_poisson_phase_event(recorded_q) == cyclic_poisson_phase_event(recorded_q_b) == \
+        bandmf_event(0.02, 1.0, 100, 4)

@@ -89,8 +89,16 @@ def bandmf_segment_event(phases: Sequence) -> dp_event.DpEvent:
 
 def cyclic_poisson_phase_event(phase) -> dp_event.DpEvent:
     """The event of a "cyclic_poisson" ledger phase that is a whole segment (its σ the smallest
-    the segment used; ``parameter`` = b)."""
-    return bandmf_event(phase.sampling_rate, phase.noise_multiplier, phase.steps, int(phase.parameter))
+    the segment used; ``parameter`` = b).
+
+    q_b is max(the recorded rate, b·L/N): the ledger records q_b = b·L/N, and a phase that records
+    L/N instead (e.g. one planned from N and L) is still accounted at b·L/N (ε grows with q).
+    """
+    bands = _checks.positive_int("parameter (num_bands)", int(round(float(phase.parameter))))
+    rate = float(phase.sampling_rate)
+    if int(phase.num_examples) > 0:
+        rate = max(rate, bands * float(phase.expected_batch_size) / int(phase.num_examples))
+    return bandmf_event(rate, phase.noise_multiplier, phase.steps, bands)
 
 
 def calibrate_bandmf_noise_multiplier(target_epsilon: float, num_examples: int, batch_size: int, num_bands: int,
