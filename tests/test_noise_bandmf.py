@@ -275,3 +275,90 @@ def test_the_buffer_is_in_no_artifact(tmp_path):
     # the search can fail: the buffer's bytes are found when written on purpose
     np.save(tmp_path / "leak.npy", holder.privatizer._buffer.variables[0].numpy())
     assert any(f in open(tmp_path / "leak.npy", "rb").read() for f in fingerprints)
+
+
+# -- integration into fit (runs once the DP optimizers take noise=, docs/algorithms.md §10.4) --------------------
+
+def _integrated():
+    import inspect
+
+    import tf_dp
+    return "noise" in inspect.signature(tf_dp.DPSGD.__init__).parameters
+
+
+integration = pytest.mark.skipif(not _integrated(), reason="the DP optimizers take noise= once h/optimizer is merged")
+
+
+def _bandmf_classifier(bands=4, sigma=1.0, seed=None):
+    import tf_dp
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    model = tf_dp.DPModel(inputs, keras.layers.Dense(3)(keras.layers.Dense(16, activation="tanh")(inputs)))
+    model.compile(optimizer=tf_dp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed,
+                                        noise=BandMF(bands)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _data(n=240):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 6)).astype(np.float32), rng.integers(0, 3, size=n).astype(np.int32)
+
+
+@integration
+def test_fit_samples_cyclic_poisson_and_the_ledger_records_segments_with_b():
+    from tf_dp.accounting import epsilon_of_event
+    from tf_dp.accounting.bandmf import bandmf_event
+
+    x, y = _data()
+    model = _bandmf_classifier(bands=4, sigma=1.3)
+    model.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=12, epochs=1, verbose=0)  # a second fit: a second segment
+    phases = model.privacy_ledger.phases()
+    assert [p.scheme for p in phases] == ["cyclic_poisson", "cyclic_poisson"]
+    assert all(p.parameter == 4 and p.sampling_rate == pytest.approx(4 * 12 / 240) for p in phases)
+    expected = [epsilon_of_event(bandmf_event(4 * 12 / 240, 1.3, p.steps, 4), 1e-5) for p in phases]
+    assert model.get_epsilon(1e-5) > max(expected)  # two segments compose
+
+
+@integration
+def test_explicit_batches_are_refused_before_training():
+    x, y = _data()
+    model = _bandmf_classifier()
+    with pytest.raises(ValueError, match="(?i)cyclic|bandmf"):
+        model.train_on_batch(x[:12], y[:12])
+    with pytest.raises(ValueError, match="(?i)cyclic|bandmf"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(12), epochs=1, verbose=0)
+    assert int(model.privacy_ledger.steps.numpy()) == 0
+
+
+@integration
+def test_after_fit_no_artifact_holds_the_buffer_and_a_reload_starts_a_fresh_one(tmp_path):
+    x, y = _data()
+    model = _bandmf_classifier(bands=4, sigma=1.0)
+    model.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    privatizer = model.optimizer.privatizer
+    fingerprints = _buffer_fingerprints(privatizer)
+    before = [v.numpy().copy() for v in privatizer._buffer.variables]
+    model.save(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
+    model.export(str(tmp_path / "saved"))
+    import zipfile
+    for path in _files_under(str(tmp_path)):
+        blobs = ([zipfile.ZipFile(path).read(n) for n in zipfile.ZipFile(path).namelist()] if path.endswith(".keras")
+                 else [open(path, "rb").read()])
+        assert not any(f in blob for blob in blobs for f in fingerprints), path
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    with pytest.warns(UserWarning, match="fresh buffer"):
+        loaded.fit(x, y, batch_size=12, steps_per_epoch=1, epochs=1, verbose=0)
+    after = np.concatenate([v.numpy().ravel() for v in loaded.optimizer.privatizer._buffer.variables])
+    old = np.concatenate([b.ravel() for b in before])
+    # a continued buffer would make the new w̄ = (ζ − Σ c_j w̄_old)/c_0 strongly anti-correlated with the old
+    # slots; a fresh one is independent: |corr| < 5/√n
+    written = after != 0
+    for shift in range(4):
+        rolled = np.concatenate([np.roll(b, shift, axis=0).ravel() for b in before])
+        corr = np.corrcoef(after[written], rolled[written])[0, 1]
+        assert abs(corr) < 5 / np.sqrt(written.sum()), (shift, corr)
+    assert np.any(old != 0)
