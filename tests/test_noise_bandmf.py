@@ -182,17 +182,35 @@ def test_a_step_repeated_at_the_same_counter_draws_the_same_noise_and_continues_
             np.testing.assert_allclose(out.numpy(), expected[t], rtol=1e-6, atol=1e-6)
 
 
+def test_a_counter_that_jumps_restarts_the_buffer():
+    """A ledger rolled back (load_weights of an older file) or moved on without reset: the step
+    must not mix the other run's w's in (fresh block: w̄_t = ζ_t/c_0, then C⁻¹ of the block)."""
+    shapes = [(40,)]
+    privatizer = BandMF(3)
+    privatizer.build(_variables(shapes))
+    _released(privatizer, 6, tf.constant(1.0), shapes=shapes)  # steps 0..5
+    for first in (2, 9):  # back to 2, then on to 9
+        block = _released(privatizer, 4, tf.constant(1.0), shapes=shapes, first=first)
+        z = _gaussian_draws(4, tf.constant(1.0), shapes=shapes, first=first)
+        expected = np.linalg.inv(_toeplitz(privatizer.coefficients, 4)) @ z
+        np.testing.assert_allclose(block, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_reset_starts_a_fresh_segment_and_warns_once_on_a_resumed_model():
     shapes = [(30,)]
     privatizer = BandMF(4)
     privatizer.build(_variables(shapes))
-    _released(privatizer, 3, tf.constant(1.0), shapes=shapes)
     with pytest.warns(UserWarning, match="fresh buffer"):
-        privatizer.reset(dp_step=3)
+        privatizer.reset(dp_step=3)  # a resumed model: steps taken, nothing drawn by this privatizer
+    _released(privatizer, 3, tf.constant(1.0), shapes=shapes)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         privatizer.reset(dp_step=5)  # once
         BandMF(4).reset()  # step 0: a new run, no warning
+        drawn = BandMF(4)
+        drawn.build(_variables(shapes))
+        _released(drawn, 2, tf.constant(1.0), shapes=shapes)
+        drawn.reset(dp_step=2)  # a new fit after drawing: a new segment, no resume
     after = _released(privatizer, 1, tf.constant(1.0), shapes=shapes, first=3)
     z = _gaussian_draws(1, tf.constant(1.0), shapes=shapes, first=3)
     np.testing.assert_allclose(after, z / privatizer.coefficients[0], rtol=1e-6)  # no memory of steps 0..2

@@ -105,7 +105,8 @@ class _NoiseBuffer:
     """The latest noise vectors w, one [b, *shape] variable per trainable variable.
 
     A plain Python object (not a ``tf.Module``/``Trackable``): whatever holds it is saved
-    without it. Slot k of every variable holds w_s for the latest step s ≡ k mod b.
+    without it. Slot k of every variable holds w_s for the latest step s ≡ k mod b;
+    ``last_step`` is the latest step written (−1: none since the last reset).
     """
 
     def __init__(self, variables: Sequence, slots: int):
@@ -115,6 +116,7 @@ class _NoiseBuffer:
                             name=f"bandmf_buffer_{index}")
                 for index, variable in enumerate(variables)
             ]
+            self.last_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bandmf_last_step")
         self.shapes = [tuple(variable.shape) for variable in variables]
         self.dtypes = [tf.as_dtype(variable.dtype) for variable in variables]
 
@@ -125,6 +127,24 @@ class _NoiseBuffer:
     def zero(self) -> None:
         for buffer in self.variables:
             buffer.assign(tf.zeros_like(buffer))
+        self.last_step.assign(-1)
+
+    def has_drawn(self) -> bool:
+        return int(self.last_step.numpy()) >= 0
+
+    def restart_unless_continuing(self, step: tf.Tensor) -> tf.Tensor:
+        """Zeros the slots (in the compiled step) unless ``step`` continues the buffer: the step
+        after the latest one written, that step again (a reused counter), or any step after a
+        reset. A counter that jumps (a ledger rolled back or moved on without a reset) would
+        otherwise mix another run's w's into this one's."""
+        last = self.last_step.read_value()
+        continuing = (last < 0) | tf.equal(step, last) | tf.equal(step, last + 1)
+
+        def restart():
+            with tf.control_dependencies([b.assign(tf.zeros_like(b)) for b in self.variables]):
+                return tf.constant(True)
+
+        return tf.cond(continuing, lambda: tf.constant(False), restart)
 
     def num_bytes(self) -> int:
         return sum(int(np.prod(b.shape)) * b.dtype.size for b in self.variables)
@@ -155,6 +175,7 @@ class BandMF(Privatizer):
         self._coefficients_config = coefficients if isinstance(coefficients, str) else [float(c) for c in coefficients]
         self._buffer: Optional[_NoiseBuffer] = None
         self._warned_resume = False
+        self._has_drawn = False  # whether this privatizer has drawn for a model (a later reset is no resume)
 
     # -- state --
     def build(self, variables: Sequence) -> None:
@@ -170,12 +191,14 @@ class BandMF(Privatizer):
         """Zeros the buffer: a fresh factorization segment (a new fit, a re-key, a resume).
 
         Args:
-          dp_step: the ledger's step count; > 0 means a trained model continues with a fresh
-            buffer, which is warned once (the factorization becomes block-diagonal).
+          dp_step: the ledger's step count; > 0 before this privatizer has drawn any noise means
+            a resumed model continues with a fresh buffer, which is warned once (the
+            factorization becomes block-diagonal). A later reset (a new fit) is silent.
         """
+        self._has_drawn = self._has_drawn or (self._buffer is not None and self._buffer.has_drawn())
         if self._buffer is not None:
             self._buffer.zero()
-        if int(dp_step) > 0 and self.num_bands > 1 and not self._warned_resume:
+        if int(dp_step) > 0 and self.num_bands > 1 and not self._has_drawn and not self._warned_resume:
             self._warned_resume = True
             warnings.warn(f"tf_dp.noise.BandMF: this model has taken {int(dp_step)} DP steps; its noise continues "
                           "with a fresh buffer (the previous one is never saved), so the factorization restarts "
@@ -209,12 +232,15 @@ class BandMF(Privatizer):
         if self._buffer is None or len(self._buffer.variables) != len(clipped_sums):
             raise RuntimeError("BandMF.privatize: call build(trainable_variables) first (the DP optimizer does).")
         slot, past_coefficients = self._ring(dp_step)
+        with tf.control_dependencies([self._buffer.restart_unless_continuing(tf.cast(dp_step, tf.int64))]):
+            slot = tf.identity(slot)
         noisy = []
         for index, (clipped, buffer) in enumerate(zip(clipped_sums, self._buffer.variables)):
             unit_draw = gaussian_draw(tf.shape(clipped), clipped.dtype, 1.0, key, dp_step, index, replica, replicas)
             unit_noise = self._correlated(unit_draw, buffer, past_coefficients)
             buffer.scatter_update(tf.IndexedSlices(unit_noise[tf.newaxis], tf.reshape(slot, [1])))
             noisy.append(clipped + tf.cast(stddev, clipped.dtype) * unit_noise)
+        self._buffer.last_step.assign(tf.cast(dp_step, tf.int64))
         return noisy
 
     def _ring(self, dp_step) -> tuple:
