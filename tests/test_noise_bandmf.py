@@ -326,18 +326,25 @@ def _data(n=240):
 
 @integration
 def test_fit_samples_cyclic_poisson_and_the_ledger_records_segments_with_b():
+    from dp_accounting import dp_event
+
     from tf_dp.accounting import epsilon_of_event
     from tf_dp.accounting.bandmf import bandmf_event
 
     x, y = _data()
     model = _bandmf_classifier(bands=4, sigma=1.3)
-    model.fit(x, y, batch_size=12, epochs=1, verbose=0)
-    model.fit(x, y, batch_size=12, epochs=1, verbose=0)  # a second fit: a second segment
+    for _ in range(2):  # two fits of 5 steps: two segments of ⌈5/4⌉ = 2 rounds (one segment of 10: 3 rounds)
+        model.fit(x, y, batch_size=12, steps_per_epoch=5, epochs=1, verbose=0)
     phases = model.privacy_ledger.phases()
-    assert [p.scheme for p in phases] == ["cyclic_poisson", "cyclic_poisson"]
+    assert [p.scheme for p in phases] == ["cyclic_poisson", "cyclic_poisson"] and [p.steps for p in phases] == [5, 5]
     assert all(p.parameter == 4 and p.sampling_rate == pytest.approx(4 * 12 / 240) for p in phases)
-    expected = [epsilon_of_event(bandmf_event(4 * 12 / 240, 1.3, p.steps, 4), 1e-5) for p in phases]
-    assert model.get_epsilon(1e-5) > max(expected)  # two segments compose
+    sigma = phases[0].noise_multiplier  # 1.3 as the float32 the step read
+    assert sigma == pytest.approx(1.3, rel=1e-6)
+    segment = bandmf_event(4 * 12 / 240, sigma, 5, 4)
+    expected = epsilon_of_event(dp_event.ComposedDpEvent([segment, segment]), 1e-5)
+    assert model.get_epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    merged = epsilon_of_event(bandmf_event(4 * 12 / 240, sigma, 10, 4), 1e-5)
+    assert merged < expected * (1 - 1e-3)  # the comparison can fail
 
 
 @integration
