@@ -8,7 +8,7 @@ Two parts:
      examples/mnist_dpsgd.py (the main job, scripts/main.sh). Part 2 needs the DP optimizers'
      ``noise=`` and fit's cyclic Poisson sampling; without them it is reported as skipped.
 
-    python benchmarks/bandmf_mnist.py --quick          # < 3 min: pixels CNN, 4096 examples, 1 epoch, ε = 3, b = 4,
+    python benchmarks/bandmf_mnist.py --quick          # < 3 min: pixels CNN, 2048 examples, 1 epoch, ε = 3, b = 4,
                                                        # no averaging
     python benchmarks/bandmf_mnist.py                  # the full study (hours on 2 CPU cores)
 
@@ -40,7 +40,7 @@ from tf_dp.noise import BandMF  # noqa: E402
 from tf_dp.noise.privatizer import GaussianNoise  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_bool("quick", False, "A < 3 min smoke run: pixels CNN, 4096 examples, 1 epoch, ε = 3, b = 4 for accuracy.")
+flags.DEFINE_bool("quick", False, "A < 3 min smoke run: pixels CNN, 2048 examples, 1 epoch, ε = 3, b = 4 for accuracy.")
 flags.DEFINE_list("epsilons", ["1", "3", "8"], "Target ε of the accuracy runs.")
 flags.DEFINE_list("bands", ["2", "4", "8", "16"], "Numbers of bands b timed (and trained, unless --quick).")
 flags.DEFINE_integer("timing_steps", 50, "privatize calls per timing round.")
@@ -149,8 +149,8 @@ def accuracy_study() -> list:
 
 def configure() -> None:
     if FLAGS.quick:
-        FLAGS.features, FLAGS.train_examples, FLAGS.epochs, FLAGS.epsilons = "pixels", 4096, 1, ["3"]
-        FLAGS.batch_size, FLAGS.timing_steps, FLAGS.timing_rounds = 256, 20, 3
+        FLAGS.features, FLAGS.train_examples, FLAGS.epochs, FLAGS.epsilons = "pixels", 2048, 1, ["3"]
+        FLAGS.batch_size, FLAGS.timing_steps, FLAGS.timing_rounds = 128, 20, 3
         FLAGS.ema_momentum = 0.0  # 16 steps: report the last iterate, not an average still near the start
         if FLAGS.output == FLAGS["output"].default:
             FLAGS.output = "benchmarks/results/bandmf_mnist_quick.json"
