@@ -99,3 +99,39 @@ def test_a_phase_recording_l_over_n_is_still_accounted_at_b_l_over_n():
     recorded_q_b, recorded_q = _phase(0.02, 1.0, 100, 4), _phase(0.005, 1.0, 100, 4)  # N = 1000, L = 5, b = 4
     assert cyclic_poisson_phase_event(recorded_q) == cyclic_poisson_phase_event(recorded_q_b) == \
         bandmf_event(0.02, 1.0, 100, 4)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_ledger_phases_of_scheme_cyclic_poisson_go_through_the_registry(accountant):
+    from tf_dp.accounting import Phase, epsilon
+
+    n, batch, bands = 60000, 256, 4
+    q_b = bands * batch / n
+
+    def phase(sigma, steps, segment):
+        return Phase("cyclic_poisson", q_b, sigma, n, float(batch), steps, float(bands), segment)
+
+    one = epsilon([phase(1.1, 1001, 0)], DELTA, accountant)
+    assert one == pytest.approx(_dp_accounting_epsilon(q_b, 1.1, math.ceil(1001 / bands), accountant), rel=1e-9)
+    # σ changed inside a segment: ONE segment of 1001 + 500 steps at the smaller σ
+    same_segment = epsilon([phase(1.1, 1001, 0), phase(0.9, 500, 0)], DELTA, accountant)
+    assert same_segment == pytest.approx(_dp_accounting_epsilon(q_b, 0.9, math.ceil(1501 / bands), accountant),
+                                         rel=1e-9)
+    # two segments (two fits): composed, ⌈1001/4⌉ + ⌈500/4⌉ rounds
+    two = epsilon([phase(1.1, 1001, 0), phase(1.1, 500, 1)], DELTA, accountant)
+    composed = dp_event.ComposedDpEvent([bandmf_event(q_b, 1.1, 1001, bands), bandmf_event(q_b, 1.1, 500, bands)])
+    assert two == pytest.approx(epsilon_of_event(composed, DELTA, accountant), rel=1e-9)
+    # phase-by-phase at each own σ would be smaller than the sound account: the test can fail
+    per_phase = epsilon_of_event(dp_event.ComposedDpEvent(
+        [bandmf_event(q_b, 1.1, 1001, bands), bandmf_event(q_b, 0.9, 500, bands)]), DELTA, accountant)
+    assert per_phase < same_segment
+
+
+def test_compute_epsilon_and_calibration_by_scheme_use_b_l_over_n():
+    n, batch, bands, steps = 60000, 256, 4, 2000
+    expected = _dp_accounting_epsilon(bands * batch / n, 1.1, math.ceil(steps / bands), "rdp")
+    assert compute_epsilon(n, batch, 1.1, steps=steps, delta=DELTA, scheme="cyclic_poisson",
+                           parameter=bands) == pytest.approx(expected, rel=1e-9)
+    from tf_dp.accounting import calibrate_noise_multiplier
+    by_scheme = calibrate_noise_multiplier(2.0, n, batch, steps=steps, scheme="cyclic_poisson", parameter=bands)
+    assert by_scheme == pytest.approx(calibrate_bandmf_noise_multiplier(2.0, n, batch, bands, steps=steps), rel=2e-3)

@@ -12,7 +12,8 @@ the rows t … t + b − 1 of Cx (C b-banded, columns of norm ≤ 1), and the ro
 participations never overlap; the release x + C⁻¹z is post-processing of Cx + z, so each of the
 example's ≤ ⌈T/b⌉ possible participations is one Poisson-sampled Gaussian mechanism of
 sensitivity ≤ C_clip at rate q_b. Segments compose like any other phases (Appendix A.2): a fresh
-buffer makes C block-diagonal, each block still b-banded with column norms ≤ 1.
+buffer makes C block-diagonal, each block still b-banded with column norms ≤ 1. Registered as the
+event of scheme "cyclic_poisson" (``tf_dp.accounting.events``; ``import tf_dp`` imports this module).
 
 σ changing inside a segment: the segment is accounted at the SMALLEST σ it used. Row t carries
 noise of std σ_t·C_clip; with σ_min = min_t σ_t, the rows with σ_t > σ_min are the σ_min mechanism
@@ -30,6 +31,7 @@ from dp_accounting import dp_event
 
 from tf_dp import _checks
 from tf_dp.accounting.accountant import calibrate_noise_multiplier, steps_for
+from tf_dp.accounting.events import register_event
 
 
 def accounted_rounds(steps: int, num_bands: int) -> int:
@@ -87,9 +89,10 @@ def bandmf_segment_event(phases: Sequence) -> dp_event.DpEvent:
                         sum(int(p.steps) for p in phases), bands.pop())
 
 
+@register_event("cyclic_poisson", whole_segments=True)
 def cyclic_poisson_phase_event(phase) -> dp_event.DpEvent:
-    """The event of a "cyclic_poisson" ledger phase that is a whole segment (its σ the smallest
-    the segment used; ``parameter`` = b).
+    """The event of a "cyclic_poisson" ledger phase that is a whole segment (the accountant merges
+    a segment's phases first, at the smallest σ they used: ``whole_segments``; ``parameter`` = b).
 
     q_b is max(the recorded rate, b·L/N): the ledger records q_b = b·L/N, and a phase that records
     L/N instead (e.g. one planned from N and L) is still accounted at b·L/N (ε grows with q).

@@ -34,6 +34,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
+import tf_dp.accounting.bandmf  # noqa: F401  (registers the "cyclic_poisson" event wherever BandMF exists)
 from tf_dp import _checks
 from tf_dp.noise.gaussian import add_gaussian_noise, gaussian_draw
 from tf_dp.noise.privatizer import Privatizer, register_privatizer
