@@ -62,9 +62,14 @@ def add_gaussian_noise(
       replica, replicas: under tf.distribute each of R replicas draws its own share (the
         caller scales the std by 1/√R so the all-reduced sum has std ``stddev``·√R/√R).
     """
-    return [
-        tensor + tf.cast(stddev, tensor.dtype)
-        * _philox_normal(tf.shape(tensor), draw_seed(seed, step, gaussian_stream(index, replica, replicas)),
-                         tensor.dtype)
-        for index, tensor in enumerate(tensors)
-    ]
+    return [tensor + gaussian_draw(tf.shape(tensor), tensor.dtype, stddev, seed, step, index, replica, replicas)
+            for index, tensor in enumerate(tensors)]
+
+
+def gaussian_draw(shape, dtype, stddev: tf.Tensor, seed: tf.Tensor, step: tf.Tensor, variable: int,
+                  replica: tf.Tensor | int = 0, replicas: int = 1) -> tf.Tensor:
+    """z = stddev · N(0, I) of shape ``shape``: the draw ``add_gaussian_noise`` adds to variable
+    number ``variable`` at ``step`` (docs/algorithms.md Appendix B.2). BandMF (§10) reads the
+    same draw as its z_t, so one band is DP-SGD bit for bit."""
+    seed_pair = draw_seed(seed, step, gaussian_stream(variable, replica, replicas))
+    return tf.cast(stddev, dtype) * _philox_normal(shape, seed_pair, dtype)
