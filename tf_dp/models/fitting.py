@@ -305,10 +305,18 @@ class DPFitting:
                 "The optimizer's `noise_multiplier` is None: set it, or pass `target_epsilon` to compile() "
                 "so that fit() calibrates it."
             )
+        privatizer = getattr(self.optimizer, "privatizer", None)
+        required = getattr(privatizer, "required_sampling", None)
+        if required and scheme != required:
+            raise ValueError(f"noise={privatizer!r} needs {required!r} sampling, which tf_dp draws itself: "
+                             "explicit batches (train_on_batch, a batched dataset) cannot be accounted for it. "
+                             "Pass arrays or an unbatched source to fit(), or use the default Gaussian noise.")
         if scheme == "batches":
             self._declared_batch_size.assign(float(expected_batch_size))
         self.privacy_ledger.open_phase(scheme, sampling_rate, sigma, num_examples, expected_batch_size,
                                        parameter, new_segment=new_segment)
+        if new_segment and privatizer is not None:
+            privatizer.reset(int(self.privacy_ledger.steps.numpy()))  # a new sampler: a fresh noise state
 
     def reopen_phase(self):
         """Re-records the running phase (after a callback such as BackupAndRestore has

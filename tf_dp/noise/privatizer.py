@@ -50,8 +50,12 @@ class Privatizer:
         """Creates the secret state for ``variables`` (the trainable variables, in order).
         Called once, eagerly, before the train step is traced."""
 
-    def reset(self) -> None:
-        """Starts a fresh secret state (a resumed model never continues a stale buffer)."""
+    def reset(self, dp_step: int = 0) -> None:
+        """Starts a fresh secret state (a new segment: a new fit's sampler, a re-key, a resume).
+
+        Args:
+          dp_step: the ledger's step count at the reset (a resumed model has steps > 0).
+        """
 
     def privatize(self, clipped_sums: Sequence[tf.Tensor], stddev: tf.Tensor, key: tf.Tensor, dp_step: tf.Tensor,
                   replica=0, replicas: int = 1) -> list:
