@@ -4,6 +4,8 @@ that reads only the sampled examples from a random-access source."""
 from tf_dp.sampling.poisson import PoissonSampler, choose_physical_batch_size, chunk, sample_poisson_batch
 from tf_dp.sampling.sources import (ArraySource, DatasetSource, ExampleSource, RecordSource, SourceError,
                                     TFRecordSource, example_source)
+from tf_dp.sampling.users import UserPoissonSampler
 
 __all__ = ["ArraySource", "DatasetSource", "ExampleSource", "PoissonSampler", "RecordSource", "SourceError",
-           "TFRecordSource", "choose_physical_batch_size", "chunk", "example_source", "sample_poisson_batch"]
+           "TFRecordSource", "UserPoissonSampler", "choose_physical_batch_size", "chunk", "example_source",
+           "sample_poisson_batch"]
