@@ -10,8 +10,9 @@ Which m examples: each user's examples are put in a secret random order π_u onc
 seed); at step t user u contributes π_u[(t·m + j) mod n_u] for j = 0..m−1, so successive
 participations cycle through all n_u examples. A user with fewer than m examples repeats
 some of them within one step (each copy is one view of the same unit: the user still yields
-one vector clipped to C). The selection is a function of the user's own data, the seed and
-t, so the sensitivity (one user, one clipped vector) holds whatever it picks.
+one vector clipped to C). The selection reads only the user's own examples, with orders π_u
+that are independent uniform permutations whether or not another user is present, so the
+sensitivity (one user, one clipped vector) holds whatever it picks.
 
 Batch t is a function of (seed, t) alone, as for PoissonSampler: indices [chunks, P, m]
 (example indices of the sampled users; padding slots hold PAD_INDEX and are masked) and the
