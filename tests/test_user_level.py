@@ -297,3 +297,19 @@ def test_string_and_mixed_ids_are_users_and_examples_per_user_one_is_one_example
     model.fit(x, y, batch_size=2, user_ids=["ann", 7, "ann", (1, 2), 7], examples_per_user=1, epochs=1, verbose=0)
     [phase] = model.privacy_ledger.phases()
     assert phase.num_examples == 3 and phase.sampling_rate == pytest.approx(2 / 3)
+
+
+def test_train_metrics_compare_each_users_first_example_with_its_own_prediction():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(40, 4)).astype("float32")
+    ids = np.repeat(np.arange(10), 4)
+    y = np.tile([0, 1, 2, 1], 10)  # a user's examples have different labels
+    model = dense_model(learning_rate=0.0)
+    model.compile(optimizer=tf_dp.DPSGD(0.0, l2_norm_clip=CLIP, noise_multiplier=0.0), loss=LOSS,
+                  metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=10, user_ids=ids, examples_per_user=4, steps_per_epoch=1, sampling_seed=0,
+                        verbose=0).history
+    indices, mask = UserPoissonSampler(ids, 10, 4, seed=0).batch(0)  # q = 1: every user
+    first = indices.reshape(-1, 4)[mask.reshape(-1) > 0][:, 0]
+    predicted = np.argmax(model.predict(x[first], verbose=0), axis=-1)
+    np.testing.assert_allclose(history["accuracy"][0], np.mean(predicted == y[first]), atol=1e-6)

@@ -133,14 +133,14 @@ def _trainable_units(model) -> list:
 
 def _observation_losses(model, per_example_loss, x, y, points):
     """Σ_k coefficient_k · ℓ(θ_k; x_i) per example, and the predictions and losses at θ_t
-    (the point without weights, else the first) for metrics."""
-    total, reported = 0.0, None
+    (the first point without weights — view 0 with views —, else the first) for metrics."""
+    total, reported, at_current = 0.0, None, False
     for point in points:
         y_pred = forward(model, view_of(x, point.view), point.weights)
         losses = per_example_loss(targets_of(y, point), y_pred)
         total = total + point.coefficient * losses
-        if reported is None or point.weights is None:
-            reported = (y_pred, losses)
+        if reported is None or (point.weights is None and not at_current):
+            reported, at_current = (y_pred, losses), point.weights is None
     return total, reported
 
 

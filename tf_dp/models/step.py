@@ -180,8 +180,8 @@ class DPTrainStep:
         return [s + c for s, c in zip(sums, result.clipped_sums)], nonfinite + result.nonfinite_count(mask)
 
     def _track_train_metrics(self, x, y, mask, result):
-        if getattr(self, "_augmentation_views", ONE_VIEW).targets_per_view:  # user-level (§11): the
-            y = view_of(y, 0)  # predictions and losses reported are those of each user's first example
+        if getattr(self, "_augmentation_views", ONE_VIEW).targets_per_view:  # user-level (§11): the engine
+            y = view_of(y, 0)  # reports view 0's predictions and losses, each sampled user's first example
         real = tf.reduce_sum(mask)
         losses = tf.cast(result.losses, tf.float32)  # bfloat16 when the output layer computes in bfloat16
         real_losses = tf.where(tf.cast(mask, tf.bool), losses, 0.0)  # padding rows may give NaN losses
