@@ -313,3 +313,26 @@ def test_train_metrics_compare_each_users_first_example_with_its_own_prediction(
     first = indices.reshape(-1, 4)[mask.reshape(-1) > 0][:, 0]
     predicted = np.argmax(model.predict(x[first], verbose=0), axis=-1)
     np.testing.assert_allclose(history["accuracy"][0], np.mean(predicted == y[first]), atol=1e-6)
+
+
+# ----------------------------------------------------------- the Shakespeare roles
+def test_speeches_are_parsed_by_speaker_and_stage_directions_and_headings_dropped():
+    from tf_dp.data.shakespeare import parse_speeches
+    text = ("PERSONS REPRESENTED.\nHAMLET, Prince of Denmark.\n\nACT I.\n\nSCENE I. Elsinore.\n\n"
+            "Ber.\nWho's there?\n\nFRAN.\nNay, answer me. [Exit.]\nStand.\n\n[Enter Horatio.]\n\n"
+            "KING HENRY V. \nOnce more unto the breach.\n")
+    assert parse_speeches(text) == [("BER", "Who's there?"), ("FRAN", "Nay, answer me.\nStand."),
+                                    ("KING HENRY V", "Once more unto the breach.")]
+
+
+def test_shakespeare_windows_are_one_roles_next_characters_split_by_role():
+    from tf_dp.data import DataPackageNotInstalledError, load_shakespeare
+    try:
+        data = load_shakespeare(sequence_length=20, plays=["macbeth", "tempest"], test_fraction=0.2)
+    except DataPackageNotInstalledError as error:
+        pytest.skip(str(error))
+    np.testing.assert_array_equal(data.x_train[:, 1:], data.y_train[:, :-1])  # y is x shifted by one
+    assert data.x_train.shape[1] == 20 and len(data.users_train) == len(data.x_train)
+    assert not set(data.users_train) & set(data.users_test)
+    assert {u.split(":")[0] for u in data.users_train} == {"macbeth", "tempest"}
+    assert "macbeth:MACBETH" in set(data.users_train) | set(data.users_test)
