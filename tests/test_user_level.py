@@ -17,6 +17,7 @@ from tf_dp.clipping.engine import AugmentationViews, clipped_gradient_sum
 from tf_dp.models.data import poisson_dataset
 from tf_dp.models.losses import WeightedTargets, per_example_loss
 from tf_dp.sampling import UserPoissonSampler
+from tf_dp.sampling.users import UserPoissonSampling
 from tf_dp.sampling.sources import ArraySource
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -157,6 +158,7 @@ def test_batch_t_is_a_function_of_seed_and_t_and_the_order_is_secret():
     assert fresh.seed != UserPoissonSampler(ids, 5, 3).seed  # no seed: OS entropy
     secure = UserPoissonSampler(ids, 5, 3, secure=True)
     assert secure.batch(0)[0].shape[2] == 3
+    assert UserPoissonSampler(ids, 5, 1, seed=11).batch(0)[0].ndim == 2  # m = 1: the example-level layout
 
 
 def test_the_loader_gathers_each_users_examples_with_their_own_labels_and_weights():
@@ -166,11 +168,11 @@ def test_the_loader_gathers_each_users_examples_with_their_own_labels_and_weight
     y = np.arange(n, dtype=np.int64)
     weights = rng.uniform(size=n).astype("float32")
     ids = rng.integers(0, 12, n)
-    sampler = UserPoissonSampler(ids, 4, 3, physical_batch_size=3, seed=5)
-    data = poisson_dataset(None, None, n, 4, None, None, {"sample_weight": weights}, source=ArraySource(x, y),
-                           sampler=sampler, first_step=lambda: 10)
+    scheme = UserPoissonSampling.for_fit(n, 4, user_ids=ids, examples_per_user=3)
+    data = poisson_dataset(None, None, n, 4, 3, 5, {"sample_weight": weights}, source=ArraySource(x, y),
+                           scheme=scheme, first_step=lambda: 10)
     element = next(iter(data))
-    indices, mask = sampler.batch(10)
+    indices, mask = UserPoissonSampler(ids, 4, 3, physical_batch_size=3, seed=5).batch(10)
     real = (mask > 0)[..., None]
     np.testing.assert_array_equal(element["mask"].numpy(), mask)
     np.testing.assert_array_equal(element["y"].numpy(), np.where(real, y[indices], 0))
@@ -281,12 +283,12 @@ def test_user_ids_errors_name_the_argument_and_the_fix():
         fit(user_ids=ids.reshape(5, 41), examples_per_user=2)
     with pytest.raises(ValueError, match="augmentation_multiplicity"):
         fit(user_ids=ids, examples_per_user=2, augmentation_multiplicity=2, augment=lambda x, s: x)
-    with pytest.raises(ValueError, match="`class_weight` is not supported with `user_ids`"):
+    with pytest.raises(ValueError, match="`class_weight` is not supported with 'user_poisson' sampling"):
         fit(user_ids=ids, examples_per_user=2, class_weight={0: 1.0, 1: 2.0})
     batched = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
-    with pytest.raises(ValueError, match="`user_ids`.*batched dataset"):
+    with pytest.raises(ValueError, match="user_ids.*batched dataset"):
         model.fit(batched, user_ids=ids, examples_per_user=2, verbose=0)
-    with pytest.raises(ValueError, match="`user_ids`.*train_on_batch"):
+    with pytest.raises(ValueError, match="user_ids.*train_on_batch"):
         model.train_on_batch(x[:4], y[:4], user_ids=ids[:4])
     assert int(model.privacy_ledger.steps.numpy()) == 0  # nothing was trained
 

@@ -102,9 +102,10 @@ class DPFitting:
         averaged, g_u = (1/m) Σ_j ∇ℓ(θ; x_{u,j}), and clipped ONCE to C, the noise is added
         once and the sum divided by L_u. The ledger's phase is Poisson with N = N_u and
         q = q_u, so ``get_epsilon()`` is per user. An epoch is ⌈N_u/L_u⌉ steps and
-        ``physical_batch_size`` counts users per chunk (each with m examples). Not with a
-        batched dataset, ``augment``, ``augmentation_multiplicity`` > 1 or ``class_weight``
-        (``sample_weight`` works: each example keeps its own weight and label).
+        ``physical_batch_size`` counts users per chunk (each with m examples). Never with a
+        batched dataset (or ``train_on_batch``); for m > 1 not with ``augment``,
+        ``augmentation_multiplicity`` > 1 or ``class_weight`` (``sample_weight`` works: each
+        example keeps its own weight and label).
         """
         self._require_dp_compiled()
         y = without_unused_targets(self._dp_loss, y)  # y=[y0, None] for loss=[fn, None], as Keras

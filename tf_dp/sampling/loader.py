@@ -106,9 +106,9 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
 
 def index_unit_shape(sampler) -> tuple:
     """The index axes after [chunks, P]: () for one example per slot, (m,) for a
-    user-level sampler's m examples per sampled user."""
+    user-level sampler's m > 1 examples per sampled user."""
     per_user = getattr(sampler, "examples_per_user", None)
-    return () if per_user is None else (int(per_user),)
+    return () if per_user is None or int(per_user) == 1 else (int(per_user),)
 
 
 def augment_seed_from(seed: Optional[int]) -> int:

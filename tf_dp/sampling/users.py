@@ -16,7 +16,8 @@ sensitivity (one user, one clipped vector) holds whatever it picks.
 
 Batch t is a function of (seed, t) alone, as for PoissonSampler: indices [chunks, P, m]
 (example indices of the sampled users; padding slots hold PAD_INDEX and are masked) and the
-per-user mask [chunks, P].
+per-user mask [chunks, P]. With m = 1 the indices are [chunks, P], the layout of example-level
+batches (one example per sampled user; no view axis).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class UserPoissonSampler:
         return self._order[self._start[users][:, None] + positions]
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(example indices [n, P, m], per-user mask [n, P]) of the users sampled at ``step``."""
+        """(example indices [n, P, m] — [n, P] for m = 1 —, per-user mask [n, P]) of the users sampled at ``step``."""
         rng = os.urandom if self.secure else np.random.default_rng([self.seed, int(step)])
         users = sample_poisson_batch(rng, self.num_users, self.sampling_rate)
         return self._layout(self.examples_of(users, step))
@@ -153,7 +154,8 @@ class UserPoissonSampler:
         mask = np.zeros(chunks * physical, np.float32)
         indices[:len(rows)] = rows
         mask[:len(rows)] = 1.0
-        return indices.reshape(chunks, physical, m), mask.reshape(chunks, physical)
+        shape = (chunks, physical, m) if m > 1 else (chunks, physical)  # m = 1: the example-level layout
+        return indices.reshape(shape), mask.reshape(chunks, physical)
 
     def stream(self, first_step: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Batches of steps first_step, first_step + 1, ... (default: where the last stream stopped)."""
