@@ -59,20 +59,20 @@ def compiled(model, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 plays, 6 epochs (< 3 min)")
+    parser.add_argument("--quick", action="store_true", help="8 plays, 15 epochs (< 3 min)")
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--users_per_step", type=int, default=None, help="L_u, expected roles per step")
     parser.add_argument("--examples_per_user", type=int, default=4, help="m, windows per sampled role")
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--learning_rate", type=float, default=0.01)
+    parser.add_argument("--learning_rate", type=float, default=0.02)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     started = time.time()
     data = load_shakespeare(sequence_length=40, plays=QUICK_PLAYS if args.quick else None)
     roles = len(np.unique(data.users_train))
     users_per_step = args.users_per_step or (32 if args.quick else 128)
-    epochs = args.epochs or (6 if args.quick else 20)
+    epochs = args.epochs or (15 if args.quick else 40)
     m = args.examples_per_user
     print(f"{len(data.x_train)} train windows of {roles} roles, {len(data.x_test)} test windows of "
           f"{len(np.unique(data.users_test))} held-out roles, {len(data.vocabulary)} characters")
