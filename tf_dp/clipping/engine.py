@@ -63,6 +63,7 @@ class EvaluationPoint:
     coefficient: float
     weights: Optional[Sequence[tf.Tensor]] = None
     view: Optional[int] = None  # augmentation multiplicity (§8): index on the inputs' view axis (axis 1)
+    targets_view: bool = False  # user-level DP (§11): the targets carry the views on axis 1 too
 
 
 CURRENT_WEIGHTS = (EvaluationPoint(1.0),)
@@ -77,10 +78,14 @@ class AugmentationViews:
     between views enter the per-example norm exactly. ``view_axis``: the inputs carry the K
     views on axis 1 (made by the data loader); else the K passes see the same inputs and
     the views come from the model's own random layers (e.g. RandomFlip in training mode).
-    A model's ``_augmentation_views`` (set by ``fit``) selects them; default: one view."""
+    A model's ``_augmentation_views`` (set by ``fit``) selects them; default: one view.
+    ``targets_per_view``: y (and its sample weights) carry the views on axis 1 as well —
+    user-level DP (docs/algorithms.md §11), where view j is the user's j-th example with its
+    own label: u = (1/m) Σ_j ∇ℓ(θ; x_{u,j}, y_{u,j})."""
 
     count: int = 1
     view_axis: bool = False
+    targets_per_view: bool = False
 
 
 ONE_VIEW = AugmentationViews()
@@ -90,13 +95,19 @@ def with_views(points: Sequence[EvaluationPoint], views: AugmentationViews) -> S
     """Each point repeated once per view with its coefficient divided by K (unchanged for K = 1)."""
     if views.count == 1 and not views.view_axis:
         return points
-    return tuple(EvaluationPoint(p.coefficient / views.count, p.weights, k if views.view_axis else None)
+    return tuple(EvaluationPoint(p.coefficient / views.count, p.weights, k if views.view_axis else None,
+                                 views.targets_per_view)
                  for p in points for k in range(views.count))
 
 
 def view_of(x, view: Optional[int]):
     """The inputs of one view: x[:, view] on every leaf (x itself when ``view`` is None)."""
     return x if view is None else tf.nest.map_structure(lambda t: t[:, view], x)
+
+
+def targets_of(y, point: EvaluationPoint):
+    """The targets of ``point``'s view: y[:, view] when the targets carry views (§11), else y."""
+    return view_of(y, point.view) if point.targets_view else y
 
 
 def forward(model, x, weights: Optional[Sequence[tf.Tensor]] = None):
@@ -122,14 +133,14 @@ def _trainable_units(model) -> list:
 
 def _observation_losses(model, per_example_loss, x, y, points):
     """Σ_k coefficient_k · ℓ(θ_k; x_i) per example, and the predictions and losses at θ_t
-    (the point without weights, else the first) for metrics."""
-    total, reported = 0.0, None
+    (the first point without weights — view 0 with views —, else the first) for metrics."""
+    total, reported, at_current = 0.0, None, False
     for point in points:
         y_pred = forward(model, view_of(x, point.view), point.weights)
-        losses = per_example_loss(y, y_pred)
+        losses = per_example_loss(targets_of(y, point), y_pred)
         total = total + point.coefficient * losses
-        if reported is None or point.weights is None:
-            reported = (y_pred, losses)
+        if reported is None or (point.weights is None and not at_current):
+            reported, at_current = (y_pred, losses), point.weights is None
     return total, reported
 
 
@@ -141,7 +152,7 @@ def traced(function):
     def run(model, per_example_loss, x, y, mask, l2_norm_clip, points, **options):
         if not tf.executing_eagerly():
             return function(model, per_example_loss, x, y, mask, l2_norm_clip, points, **options)
-        layout = tuple((p.coefficient, p.weights is None, p.view) for p in points)
+        layout = tuple((p.coefficient, p.weights is None, p.view, p.targets_view) for p in points)
         key = (per_example_loss, layout, tuple(sorted(options.items())))
         graphs = model.__dict__.get("_tf_dp_traced_steps")
         if graphs is None:  # untracked by Keras (not a layer attribute), collected with the model
@@ -149,7 +160,7 @@ def traced(function):
             object.__setattr__(model, "_tf_dp_traced_steps", graphs)
         if key not in graphs:
             def graph(x, y, mask, l2_norm_clip, weights):
-                at = [EvaluationPoint(p.coefficient, w, p.view) for p, w in zip(points, weights)]
+                at = [EvaluationPoint(p.coefficient, w, p.view, p.targets_view) for p, w in zip(points, weights)]
                 result = function(model, per_example_loss, x, y, mask, l2_norm_clip, at, **options)
                 return result.clipped_sums, result.y_pred, result.losses, result.squared_norms
             graphs[key] = tf.function(graph, reduce_retracing=True)  # autograph, as fit compiles
@@ -216,7 +227,8 @@ def _shared_contributions(model, per_example_loss, x, y, points, shared_layers, 
     variables = [v for group in owned for v in group]
     total = None
     for point in points:  # one per-example pass for all shared layers
-        grads = per_example_gradients(model, per_example_loss, view_of(x, point.view), y, weights=point.weights,
+        grads = per_example_gradients(model, per_example_loss, view_of(x, point.view), targets_of(y, point),
+                                      weights=point.weights,
                                       only=variables)
         grads = [point.coefficient * g for g in grads]
         total = grads if total is None else [a + b for a, b in zip(total, grads)]
@@ -268,7 +280,8 @@ def _as_float32(squared_norms: tf.Tensor) -> tf.Tensor:
 def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points) -> ClippedBatch:
     grads = None
     for point in points:
-        at_point = per_example_gradients(model, per_example_loss, view_of(x, point.view), y, weights=point.weights)
+        at_point = per_example_gradients(model, per_example_loss, view_of(x, point.view), targets_of(y, point),
+                                         weights=point.weights)
         at_point = [point.coefficient * g for g in at_point]
         grads = at_point if grads is None else [a + b for a, b in zip(grads, at_point)]
     squared_norms = tf.add_n([squared_row_norms(g) for g in grads])

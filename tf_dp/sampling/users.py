@@ -1,0 +1,222 @@
+"""User-level Poisson sampling (docs/algorithms.md §11).
+
+The privacy unit is a user: every example with one user id. Each step every user joins the
+batch independently with probability q_u = L_u / N_u (L_u the expected number of users per
+step, N_u the number of users); each sampled user contributes m = ``examples_per_user`` of
+their examples, which the train step averages before clipping once per user (the
+augmentation-view mechanism of §8, one view per example of the user).
+
+Which m examples: each user's examples are put in a secret random order π_u once (from the
+seed); at step t user u contributes π_u[(t·m + j) mod n_u] for j = 0..m−1, so successive
+participations cycle through all n_u examples. A user with fewer than m examples repeats
+some of them within one step (each copy is one view of the same unit: the user still yields
+one vector clipped to C). The selection reads only the user's own examples, with orders π_u
+that are independent uniform permutations whether or not another user is present, so the
+sensitivity (one user, one clipped vector) holds whatever it picks.
+
+Batch t is a function of (seed, t) alone, as for PoissonSampler: indices [chunks, P, m]
+(example indices of the sampled users; padding slots hold PAD_INDEX and are masked) and the
+per-user mask [chunks, P]. With m = 1 the indices are [chunks, P], the layout of example-level
+batches (one example per sampled user; no view axis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+from typing import Iterator, Optional
+
+import numpy as np
+
+from tf_dp import _checks
+from tf_dp.sampling.poisson import PAD_INDEX, _uniforms, choose_physical_batch_size, sample_poisson_batch
+from tf_dp.sampling.schemes import SamplingScheme, register_sampling
+
+ORDER_STREAM = 2**63 + 0x05E5  # the "step" whose stream orders each user's examples: no real step reaches it
+
+
+def user_index_of(user_ids, num_examples: Optional[int] = None) -> np.ndarray:
+    """Maps arbitrary user ids (ints, strings, any hashables) to 0..N_u−1, one per example.
+
+    Args:
+      user_ids: one id per training example, in the order of the examples.
+      num_examples: N, the number of training examples (checked against len(user_ids)).
+
+    Returns:
+      int64 array [N] of user indices; N_u = max + 1 (every index has ≥ 1 example).
+    """
+    ids = _as_id_array(user_ids)
+    if ids.ndim != 1:
+        raise ValueError(f"`user_ids` must hold one id per example (a 1-D sequence), got shape {list(ids.shape)}.")
+    if num_examples is not None and len(ids) != num_examples:
+        raise ValueError(f"`user_ids` has {len(ids)} entries but there are {num_examples} training examples: pass "
+                         "one user id per example, in the order of the examples.")
+    if len(ids) == 0:
+        raise ValueError("`user_ids` is empty: there are no examples to train on.")
+    if ids.dtype != object:
+        if ids.dtype.kind == "f" and np.isnan(ids).any():
+            raise ValueError("`user_ids` contains NaN: every example needs a user id.")
+        _, index = np.unique(ids, return_inverse=True)
+        return index.reshape(-1).astype(np.int64)
+    table: dict = {}
+    index = np.empty(len(ids), np.int64)
+    for row, uid in enumerate(ids):
+        if uid is None or (isinstance(uid, float) and math.isnan(uid)):
+            raise ValueError(f"`user_ids` has no id for example {row} ({uid!r}): every example needs a user id.")
+        try:
+            index[row] = table.setdefault(uid, len(table))
+        except TypeError as error:
+            raise TypeError(f"`user_ids` must hold hashable ids (ints, strings); example {row} has {uid!r}.") from error
+    return index
+
+
+def _as_id_array(user_ids) -> np.ndarray:
+    if user_ids is None:
+        raise ValueError("`user_ids` is required for user-level sampling: one user id per example.")
+    if isinstance(user_ids, np.ndarray):
+        return user_ids
+    values = list(user_ids)
+    if all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+        return np.asarray(values, np.int64)
+    if all(isinstance(v, str) for v in values) or all(isinstance(v, bytes) for v in values):
+        return np.asarray(values)
+    array = np.empty(len(values), object)
+    array[:] = values
+    return array
+
+
+class UserPoissonSampler:
+    """Endless stream of user-level Poisson batches as (index chunks [n, P, m], mask [n, P]).
+
+    Args:
+      user_ids: one user id per example (ints, strings or other hashables); the users are
+        the distinct ids, N_u of them.
+      expected_users: L_u, the expected number of users per step; q_u = L_u / N_u.
+      examples_per_user: m ≥ 1, the examples each sampled user contributes (cycled through
+        in a secret random order; a user with fewer than m examples repeats some).
+      physical_batch_size: P, USERS per chunk (each row holds m examples); None chooses it
+        by ``choose_physical_batch_size(N_u, q_u)``.
+      seed: numpy seed of the user selection and of the per-user order (None: fresh OS
+        entropy); batch t is drawn from ``numpy.random.default_rng([seed, t])``.
+      secure: draw every step's uniforms from ``os.urandom`` (secure mode; no seed); the
+        per-user order is then drawn once from the OS.
+      chunk_multiple: the chunk count is padded to a multiple of this (the replicas).
+    """
+
+    def __init__(self, user_ids, expected_users: int, examples_per_user: int,
+                 physical_batch_size: Optional[int] = None, seed: Optional[int] = None, secure: bool = False,
+                 chunk_multiple: int = 1):
+        users = user_index_of(user_ids)
+        self.num_examples = len(users)
+        self.num_users = int(users.max()) + 1
+        self.examples_per_user = _checks.positive_int("examples_per_user", examples_per_user)
+        self.expected_batch_size = users_per_step(self.num_users, expected_users)
+        self.sampling_rate = self.expected_batch_size / self.num_users
+        if physical_batch_size is None:
+            physical_batch_size = choose_physical_batch_size(self.num_users, self.sampling_rate)
+        self.physical_batch_size = _checks.positive_int("physical_batch_size", physical_batch_size)
+        if secure and seed is not None:
+            raise ValueError("secure sampling draws from the OS; it accepts no `seed`.")
+        self.secure = secure
+        self.seed = None if secure else int(np.random.SeedSequence(seed).entropy) % 2**64
+        self.chunk_multiple = _checks.positive_int("chunk_multiple", chunk_multiple)
+        self.next_step = 0
+        self._order, self._start, self._count = self._secret_order(users)
+
+    def _secret_order(self, users: np.ndarray):
+        """(order, start, count): order[start[u] : start[u] + count[u]] are user u's example
+        indices in a random order π_u (a sort by user, ties broken by secret uniforms)."""
+        rng = os.urandom if self.secure else np.random.default_rng([self.seed, ORDER_STREAM])
+        order = np.lexsort((_uniforms(rng, len(users)), users)).astype(np.int64)
+        count = np.bincount(users, minlength=self.num_users).astype(np.int64)
+        start = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+        return order, start, count
+
+    def examples_of(self, users: np.ndarray, step: int) -> np.ndarray:
+        """[k, m] example indices of ``users`` at step ``step``: π_u[(t·m + j) mod n_u]."""
+        m, count = self.examples_per_user, self._count[users][:, None]
+        positions = ((int(step) % count) * m + np.arange(m, dtype=np.int64)[None, :]) % count
+        return self._order[self._start[users][:, None] + positions]
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(example indices [n, P, m] — [n, P] for m = 1 —, per-user mask [n, P]) of the users sampled at ``step``."""
+        rng = os.urandom if self.secure else np.random.default_rng([self.seed, int(step)])
+        users = sample_poisson_batch(rng, self.num_users, self.sampling_rate)
+        return self._layout(self.examples_of(users, step))
+
+    def _layout(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        physical, m = self.physical_batch_size, self.examples_per_user
+        chunks = max(1, math.ceil(len(rows) / physical))
+        chunks = math.ceil(chunks / self.chunk_multiple) * self.chunk_multiple
+        indices = np.full((chunks * physical, m), PAD_INDEX, np.int64)
+        mask = np.zeros(chunks * physical, np.float32)
+        indices[:len(rows)] = rows
+        mask[:len(rows)] = 1.0
+        shape = (chunks, physical, m) if m > 1 else (chunks, physical)  # m = 1: the example-level layout
+        return indices.reshape(shape), mask.reshape(chunks, physical)
+
+    def stream(self, first_step: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Batches of steps first_step, first_step + 1, ... (default: where the last stream stopped)."""
+        step = self.next_step if first_step is None else int(first_step)
+        while True:
+            self.next_step = step + 1
+            yield self.batch(step)
+            step += 1
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.stream()
+
+
+def users_per_step(num_users: int, batch_size) -> int:
+    """L_u, the expected number of users per step, checked against N_u."""
+    batch_size = _checks.positive_int("batch_size", batch_size)
+    if batch_size > num_users:
+        raise ValueError(f"`batch_size`={batch_size} (with `user_ids`: the expected number of USERS per step) "
+                         f"exceeds the number of users ({num_users}): q_u = batch_size / users must be <= 1.")
+    return batch_size
+
+
+@register_sampling("user_poisson")
+@dataclasses.dataclass(frozen=True)
+class UserPoissonSampling(SamplingScheme):
+    """Poisson sampling of users (docs/algorithms.md §11): N = N_u users, L = L_u users per
+    step, q_u = L_u/N_u; each sampled user contributes m examples, averaged before the one
+    clip per user. The ledger records a ``"poisson"`` phase over users.
+
+    Attributes:
+      user_index: the user (0..N_u−1) of each training example.
+      examples_per_user: m.
+    """
+
+    user_index: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
+    examples_per_user: int = 1
+    FIT_ARGUMENTS = ("user_ids", "examples_per_user")
+
+    @classmethod
+    def for_fit(cls, num_examples: int, batch_size: int, user_ids=None, examples_per_user=None):
+        """The scheme of ``fit(..., batch_size=L_u, user_ids=ids, examples_per_user=m)``."""
+        if user_ids is None:
+            raise ValueError("`examples_per_user` is for user-level DP: pass `user_ids` (one user id per example) "
+                             "too.")
+        if examples_per_user is None:
+            raise ValueError("User-level DP needs `examples_per_user` (m, the examples each sampled user "
+                             "contributes per step), e.g. fit(..., user_ids=ids, examples_per_user=8).")
+        m = _checks.positive_int("examples_per_user", examples_per_user)
+        users = user_index_of(user_ids, num_examples)
+        num_users = int(users.max()) + 1
+        return cls(num_users, users_per_step(num_users, batch_size), users, m)
+
+    @property
+    def ledger_scheme(self) -> str:
+        return "poisson"  # DP-SGD's event over users: PoissonSampled(q_u, Gaussian(σ))^T
+
+    @property
+    def views(self) -> int:
+        return self.examples_per_user
+
+    def sampler(self, physical_batch_size, seed, secure, chunk_multiple=1):
+        return UserPoissonSampler(self.user_index, self.expected_batch_size, self.examples_per_user,
+                                  physical_batch_size, None if secure else seed, secure=secure,
+                                  chunk_multiple=chunk_multiple)
