@@ -10,13 +10,17 @@ from tf_dp.clipping import normalization as _normalization  # noqa: F401  (RMSNo
 from tf_dp.clipping import position_embedding as _position_embedding  # noqa: F401  (keras-hub PositionEmbedding, by name)
 from tf_dp.clipping import depthwise_conv as _depthwise_conv  # noqa: F401  (DepthwiseConv2D rule)
 from tf_dp.clipping import recurrent as _recurrent  # noqa: F401  (LSTM, GRU, SimpleRNN rule)
+from tf_dp.clipping.adaptive import AdaptiveClip
 from tf_dp.clipping.clip import clip_factors
 from tf_dp.clipping.engine import CURRENT_WEIGHTS, ENGINES, ClippedBatch, EvaluationPoint, clipped_gradient_sum, forward
 from tf_dp.clipping.norms import per_example_gradient_norms
 from tf_dp.clipping.per_example import per_example_gradients
+from tf_dp.clipping.policy import (ClippingPolicy, FlatClip, Normalized, PerLayer, register_clipping,
+                                   resolve_clipping)
 from tf_dp.clipping.registry import Contribution, GhostRule, Recording, ghost_rule_for, register_ghost_rule
 
 __all__ = [
+    "AdaptiveClip", "ClippingPolicy", "FlatClip", "Normalized", "PerLayer", "register_clipping", "resolve_clipping",
     "CURRENT_WEIGHTS", "ENGINES", "ClippedBatch", "EvaluationPoint", "forward", "Contribution", "GhostRule", "Recording", "clip_factors",
     "clipped_gradient_sum", "ghost_rule_for", "per_example_gradient_norms", "per_example_gradients", "register_ghost_rule",
 ]

@@ -29,14 +29,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.clipping.clip import clip_factors, weighted_row_sum
+from tf_dp.clipping.clip import weighted_row_sum
 from tf_dp.clipping.layer_per_example import MaterializedContribution, squared_row_norms
 from tf_dp.clipping.per_example import per_example_gradients
+from tf_dp.clipping.policy import ClippingPolicy, FlatClip, resolve_clipping
 from tf_dp.clipping.rounding import FLOAT32_MAX, round_down_to_float32
 from tf_dp.clipping.registry import unit_variables
 from tf_dp.clipping.tap import LayerTap
 
 ENGINES = ("ghost", "vectorized")
+FLAT = FlatClip()
 
 
 @dataclass
@@ -180,13 +182,15 @@ def as_graph_inputs(x):
 
 
 @traced
-def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_rules=True) -> ClippedBatch:
+def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_rules=True,
+           clipping: ClippingPolicy = FLAT) -> ClippedBatch:
     # Every point's forward pass records into the same taps; a layer's recordings are
     # concatenated along its sequence axis, so the cross terms between points (and
     # between repeated calls of a shared layer) enter the per-example norm exactly.
     x = as_graph_inputs(x)
-    tap = LayerTap(_trainable_units(model), use_ghost_rules=use_ghost_rules, batch_size=examples_of(mask),
-                   batch_inputs=x)
+    units = _trainable_units(model)
+    group_of = _group_of_layer(clipping, units)
+    tap = LayerTap(units, use_ghost_rules=use_ghost_rules, batch_size=examples_of(mask), batch_inputs=x)
     with tap:
         with tf.GradientTape() as tape:
             for point in points:  # weight tensors, unlike variables, are not watched by default
@@ -202,16 +206,39 @@ def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_
     if use_ghost_rules:
         warn_slow_layers(model, [(layer, rule) for layer, rule, _ in contributions], tap.fallback, shared,
                          examples_of(mask))
-    squared_norms = tf.add_n([tf.cast(c.squared_norms(), tf.float64) for _, _, c in contributions]) \
-        if contributions else tf.zeros_like(losses, tf.float64)
-    factors = _float32_factors(squared_norms, l2_norm_clip, mask)
+    norms = [(group_of[id(layer)], tf.cast(c.squared_norms(), tf.float64)) for layer, _, c in contributions]
+    squared_norms, group_norms = _flat_and_group_norms(norms, _group_count(group_of), tf.zeros_like(losses, tf.float64))
+    factors = _float32_factors(clipping, group_norms, l2_norm_clip, mask)
     by_variable = {}
     for layer, rule, contribution in contributions:
-        for variable, grad in zip(rule.variables(layer), contribution.weighted_sums(factors)):
+        for variable, grad in zip(rule.variables(layer), contribution.weighted_sums(factors[group_of[id(layer)]])):
             by_variable[id(variable)] = grad
     sums = [tf.cast(by_variable[id(v)], v.dtype) if id(v) in by_variable else tf.zeros_like(v)
             for v in model.trainable_variables]
     return ClippedBatch(sums, y_pred, losses, _as_float32(squared_norms))
+
+
+def _group_of_layer(clipping: ClippingPolicy, units: list) -> dict:
+    """{id(layer): group index} from ``clipping.groups(units)``, checked (docs/algorithms.md §13)."""
+    groups = list(clipping.groups(units))
+    if len(groups) != len(units) or not all(isinstance(g, (int, np.integer)) and g >= 0 for g in groups):
+        raise ValueError(f"{type(clipping).__name__}.groups must return one group index >= 0 per layer "
+                         f"({len(units)} layers), got {groups!r}.")
+    return {id(layer): int(group) for layer, group in zip(units, groups)}
+
+
+def _group_count(group_of: dict) -> int:
+    return max(group_of.values(), default=0) + 1
+
+
+def _flat_and_group_norms(norms: list, groups: int, zeros: tf.Tensor):
+    """From (group, U²) pairs in float64: the flat squared norm Σ U² (summed in the given
+    order, as the flat clip always did) and each group's sum (zeros for an empty group)."""
+    flat = tf.add_n([squared for _, squared in norms]) if norms else zeros
+    if groups == 1:
+        return flat, [flat]
+    per_group = [[squared for group, squared in norms if group == k] for k in range(groups)]
+    return flat, [tf.add_n(terms) if terms else zeros for terms in per_group]
 
 
 def _shared_contributions(model, per_example_loss, x, y, points, shared_layers, fallback) -> list:
@@ -265,10 +292,14 @@ def warn_slow_layers(model, used_rules: list, fallback, whole_model_layers: list
         "(Dense, Embedding, Conv, LSTM/GRU/SimpleRNN without dropout, ...).", SlowPathWarning, stacklevel=3)
 
 
-def _float32_factors(squared_norms: tf.Tensor, l2_norm_clip, mask) -> tf.Tensor:
-    """Clip factors from float64 (certified) squared norms, rounded toward zero to float32
-    so that the cast never enlarges a factor."""
-    return round_down_to_float32(clip_factors(squared_norms, l2_norm_clip, mask))
+def _float32_factors(clipping: ClippingPolicy, group_norms: list, l2_norm_clip, mask) -> list:
+    """Each group's clip factors from its float64 (certified) squared norms by the policy,
+    rounded toward zero to float32 so that the cast never enlarges a factor."""
+    factors = list(clipping.factors(group_norms, l2_norm_clip, mask))
+    if len(factors) != len(group_norms):
+        raise ValueError(f"{type(clipping).__name__}.factors must return one factor tensor per group "
+                         f"({len(group_norms)}), got {len(factors)}.")
+    return [round_down_to_float32(tf.cast(f, tf.float64)) for f in factors]
 
 
 def _as_float32(squared_norms: tf.Tensor) -> tf.Tensor:
@@ -277,18 +308,35 @@ def _as_float32(squared_norms: tf.Tensor) -> tf.Tensor:
     return tf.cast(tf.minimum(squared_norms, FLOAT32_MAX), tf.float32)
 
 
-def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points) -> ClippedBatch:
+def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points, clipping: ClippingPolicy = FLAT
+                ) -> ClippedBatch:
     grads = None
     for point in points:
         at_point = per_example_gradients(model, per_example_loss, view_of(x, point.view), targets_of(y, point),
                                          weights=point.weights)
         at_point = [point.coefficient * g for g in at_point]
         grads = at_point if grads is None else [a + b for a, b in zip(grads, at_point)]
-    squared_norms = tf.add_n([squared_row_norms(g) for g in grads])
-    factors = _float32_factors(squared_norms, l2_norm_clip, mask)
-    sums = [weighted_row_sum(factors, g) for g in grads]
+    group_of_variable = _group_of_variable(clipping, model)
+    norms = [(group_of_variable[id(v)], squared_row_norms(g)) for v, g in zip(model.trainable_variables, grads)]
+    squared_norms, group_norms = _flat_and_group_norms(norms, _group_count(group_of_variable),
+                                                       tf.zeros_like(norms[0][1]))
+    factors = _float32_factors(clipping, group_norms, l2_norm_clip, mask)
+    sums = [weighted_row_sum(factors[group_of_variable[id(v)]], g) for v, g in zip(model.trainable_variables, grads)]
     _, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
     return ClippedBatch(sums, y_pred, losses, _as_float32(squared_norms))
+
+
+def _group_of_variable(clipping: ClippingPolicy, model) -> dict:
+    """{id(variable): group} for every trainable variable: the group of the layer owning it."""
+    units = _trainable_units(model)
+    group_of = _group_of_layer(clipping, units)
+    owner = {id(v): group_of[id(unit)] for unit in units for v in unit_variables(unit)}
+    if _group_count(group_of) == 1:
+        return {id(v): 0 for v in model.trainable_variables}
+    orphans = [v.path for v in model.trainable_variables if id(v) not in owner]
+    if orphans:
+        raise ValueError(f"{type(clipping).__name__}: trainable variables {orphans} belong to no layer.")
+    return owner
 
 
 def clipped_gradient_sum(
@@ -300,14 +348,27 @@ def clipped_gradient_sum(
     l2_norm_clip,
     engine: str = "ghost",
     points: Sequence[EvaluationPoint] = CURRENT_WEIGHTS,
+    clipping: Optional[ClippingPolicy] = FLAT,
 ) -> ClippedBatch:
-    """Σ_i mask_i · min(1, C/‖u_i‖) · u_i over the batch, with the per-example observation
+    """Σ_i mask_i · c_i · u_i over the batch, with the per-example observation
     u_i = Σ_k a_k ∇ℓ(θ_k; x_i) (u_i = g_i for DP-SGD) flat over ``model.trainable_variables``;
-    with augmentation multiplicity K each term is averaged over the K views of x_i."""
+    with augmentation multiplicity K each term is averaged over the K views of x_i.
+
+    Args:
+      clipping: the ClippingPolicy (docs/algorithms.md §13; a registered name or None =
+        FlatClip: c_i = min(1, C/‖u_i‖)). Group k of its layers gets the factors c_i^k the
+        policy computes from the group's squared norms; ``squared_norms`` of the result stay
+        the flat ‖u_i‖² (upper bounds) whatever the policy.
+
+    Returns:
+      A ClippedBatch: Σ_i c_i^k u_i^k per trainable variable, predictions, per-example
+      losses and flat squared norms.
+    """
+    clipping = resolve_clipping(clipping)
     points = with_views(points, getattr(model, "_augmentation_views", ONE_VIEW))
     x, y, mask = tf.nest.map_structure(tf.convert_to_tensor, (x, y, mask))  # numpy arrays (labels) too
     if engine == "ghost":
-        return _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points)
+        return _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, clipping=clipping)
     if engine == "vectorized":
-        return _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points)
+        return _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points, clipping=clipping)
     raise ValueError(f"`engine` must be one of {ENGINES}, got {engine!r}.")

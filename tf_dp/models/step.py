@@ -173,7 +173,7 @@ class DPTrainStep:
 
     def _clip_chunk(self, x, y, mask, clip, points, totals):
         result = clipped_gradient_sum(self, self._chunk_loss(), x, y, mask, clip, engine=self._dp["engine"],
-                                      points=points)
+                                      points=points, clipping=getattr(self.optimizer, "clipping", None))
         if not self._dp["private_logs"]:
             self._track_train_metrics(x, y, mask, result)
         sums, nonfinite = totals

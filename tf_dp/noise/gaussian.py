@@ -10,6 +10,11 @@ micro-steps, or a resume; the key itself is never saved (``tf_dp.noise.key``). P
 ``keras.random.normal``. XLA's Philox kernel lays out counters differently from TF's, so
 a run with ``jit_compile=True`` draws a different (equally distributed) stream than one
 without; each is reproducible from its seed.
+
+Streams: the Gaussian gradient draws use codes ≥ 0 (``gaussian_stream``); the negative codes
+belong to other draws of the same (key, step): −1 (``LAPLACE_STREAM``) RaCO-DP's Laplace
+histogram noise, −2 (``COUNT_STREAM``) adaptive clipping's noisy count of unclipped examples
+(tf_dp/clipping/adaptive.py). A new kind of draw takes the next free negative code.
 """
 
 from __future__ import annotations
