@@ -122,7 +122,10 @@ def test_gradient_noise_multiplier_formula_and_joint_mechanism():
     assert AdaptiveClip(1.0).gradient_noise_multiplier(sigma, expected_batch_size=64) == pytest.approx(
         (sigma ** -2 - (2 * 3.2) ** -2) ** -0.5)
     as_tensor = adaptive.gradient_noise_multiplier(tf.constant(sigma, tf.float32))
-    assert float(as_tensor) == pytest.approx(sigma_delta, rel=1e-6)
+    assert as_tensor.dtype == tf.float32 and float(as_tensor) == pytest.approx(sigma_delta, rel=1e-6)
+    in_graph = tf.function(lambda s, n: AdaptiveClip(1.0).gradient_noise_multiplier(s, expected_batch_size=n))
+    assert float(in_graph(tf.constant(sigma), tf.constant(64.0))) == pytest.approx(
+        (sigma ** -2 - (2 * 3.2) ** -2) ** -0.5, rel=1e-6)
     assert adaptive.gradient_noise_multiplier(0.0) == 0.0
 
 

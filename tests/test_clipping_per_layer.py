@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import loop_per_example_gradients, sparse_ce
-from tf_dp.clipping import FlatClip, PerLayer, clipped_gradient_sum, resolve_clipping
+from tf_dp.clipping import AdaptiveClip, FlatClip, PerLayer, clipped_gradient_sum, resolve_clipping
 
 BATCH = 6
 ENGINES = ("ghost", "vectorized")
@@ -171,6 +171,9 @@ def test_l2_norm_clip_must_match_the_thresholds():
         step()
     clip.assign(1.3)
     step()
+    with pytest.raises(ValueError, match="adaptive"):
+        policy.check_clip_norm(AdaptiveClip(1.3))
+    PerLayer().check_clip_norm(AdaptiveClip(1.3))
 
 
 def test_invalid_thresholds_are_refused():

@@ -87,12 +87,14 @@ class AdaptiveClip:
 
         Returns:
           σ_Δ ≥ σ, a float for numbers (ValueError naming ``count_stddev`` when
-          σ_b ≤ σ/2), else a float64 tensor (the same check as a runtime assertion).
+          σ_b ≤ σ/2), else a tensor of σ's dtype (float32 if σ is a number), with the same
+          check as a runtime assertion.
         """
         count_stddev = self.count_stddev_for(expected_batch_size)
         if _is_number(noise_multiplier) and _is_number(count_stddev):
             return self._static_multiplier(_checks.non_negative("noise_multiplier", noise_multiplier),
                                            float(count_stddev))
+        dtype = noise_multiplier.dtype if tf.is_tensor(noise_multiplier) else tf.float32
         sigma = tf.cast(noise_multiplier, tf.float64)
         count_stddev = tf.cast(count_stddev, tf.float64)
         remaining = tf.math.reciprocal(tf.square(sigma)) - tf.math.reciprocal(tf.square(2.0 * count_stddev))
@@ -101,7 +103,8 @@ class AdaptiveClip:
             message="AdaptiveClip: `count_stddev` σ_b must exceed noise_multiplier/2; no noise is left for "
                     "the gradient. Raise count_stddev (or the expected batch size, σ_b = L/20).")
         with tf.control_dependencies([check]):
-            return tf.where(sigma > 0, tf.math.rsqrt(tf.maximum(remaining, 1e-300)), tf.zeros_like(sigma))
+            multiplier = tf.where(sigma > 0, tf.math.rsqrt(tf.maximum(remaining, 1e-300)), tf.zeros_like(sigma))
+        return tf.cast(multiplier, dtype)
 
     def _static_multiplier(self, sigma: float, count_stddev: float) -> float:
         if sigma == 0:

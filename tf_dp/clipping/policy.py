@@ -59,8 +59,9 @@ class ClippingPolicy:
         return l2_norm_clip
 
     def check_clip_norm(self, l2_norm_clip) -> None:
-        """Raises ValueError if this policy cannot clip against ``l2_norm_clip`` (a number);
-        called eagerly by whoever knows C before training. Default: any C > 0."""
+        """Raises ValueError if this policy cannot clip against ``l2_norm_clip`` (a number, or
+        an adaptive bound such as tf_dp.clipping.AdaptiveClip); the optimizer calls it
+        eagerly at construction, before training. Default: accepts any."""
 
     def get_config(self) -> dict:
         return {}
@@ -143,6 +144,9 @@ class PerLayer(ClippingPolicy):
     def check_clip_norm(self, l2_norm_clip) -> None:
         if self.thresholds is None:
             return
+        if hasattr(l2_norm_clip, "next_bound"):
+            raise ValueError("PerLayer(thresholds={...}) has the fixed sensitivity sqrt(Σ C_k²); an adaptive "
+                             "`l2_norm_clip` cannot move it. Use PerLayer() (C_t/√K per layer) with an adaptive bound.")
         total = self.total_bound()
         if not math.isclose(float(l2_norm_clip), total, rel_tol=1e-6):
             raise ValueError(self._mismatch_message(l2_norm_clip))
