@@ -21,7 +21,6 @@ and no Laplace draw (−1) uses.
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Optional
 

@@ -146,7 +146,8 @@ class PerLayer(ClippingPolicy):
             return
         if hasattr(l2_norm_clip, "next_bound"):
             raise ValueError("PerLayer(thresholds={...}) has the fixed sensitivity sqrt(Σ C_k²); an adaptive "
-                             "`l2_norm_clip` cannot move it. Use PerLayer() (C_t/√K per layer) with an adaptive bound.")
+                             "`l2_norm_clip` cannot move it. Use PerLayer() (C_t/√K per layer) with an "
+                             "adaptive bound.")
         total = self.total_bound()
         if not math.isclose(float(l2_norm_clip), total, rel_tol=1e-6):
             raise ValueError(self._mismatch_message(l2_norm_clip))
