@@ -9,7 +9,9 @@ import pytest
 import tensorflow as tf
 
 from tf_dp.clipping import AdaptiveClip, clipped_gradient_sum
-from tf_dp.noise.gaussian import COUNT_STREAM, LAPLACE_STREAM, draw_seed, gaussian_stream
+from tf_dp.clipping.adaptive import COUNT_STREAM
+from tf_dp.noise.gaussian import draw_seed, gaussian_stream
+from tf_dp.noise.laplace import LAPLACE_STREAM
 
 KEY = tf.constant(123456789, tf.int64)
 

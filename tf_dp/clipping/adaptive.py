@@ -15,7 +15,7 @@ C_t, noise σ_Δ·C_t), the pair is one Gaussian mechanism of multiplier σ with
 pays with σ_Δ > σ.
 
 The count noise is drawn from Philox keyed by the run's noise key at the DP step, on stream
-``COUNT_STREAM`` (−2; tf_dp/noise/gaussian.py), which no Gaussian gradient draw (streams ≥ 0)
+``COUNT_STREAM`` (−2; see tf_dp/noise/gaussian.py), which no Gaussian gradient draw (streams ≥ 0)
 and no Laplace draw (−1) uses.
 """
 
@@ -28,8 +28,9 @@ import keras
 import tensorflow as tf
 
 from tf_dp import _checks
-from tf_dp.noise.gaussian import COUNT_STREAM, draw_seed
+from tf_dp.noise.gaussian import draw_seed
 
+COUNT_STREAM = -2  # Philox stream of the count noise: Gaussian gradient streams are ≥ 0, Laplace's −1
 DEFAULT_COUNT_STDDEV_FRACTION = 1.0 / 20.0  # σ_b = L/20 (Andrew et al. 2021)
 
 

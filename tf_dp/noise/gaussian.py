@@ -12,9 +12,9 @@ a run with ``jit_compile=True`` draws a different (equally distributed) stream t
 without; each is reproducible from its seed.
 
 Streams: the Gaussian gradient draws use codes ≥ 0 (``gaussian_stream``); the negative codes
-belong to other draws of the same (key, step): −1 (``LAPLACE_STREAM``) RaCO-DP's Laplace
-histogram noise, −2 (``COUNT_STREAM``) adaptive clipping's noisy count of unclipped examples
-(tf_dp/clipping/adaptive.py). A new kind of draw takes the next free negative code.
+belong to other draws of the same (key, step): −1 (``tf_dp.noise.laplace.LAPLACE_STREAM``)
+RaCO-DP's Laplace histogram noise, −2 (``tf_dp.clipping.adaptive.COUNT_STREAM``) adaptive
+clipping's noisy count of unclipped examples. A new kind of draw takes the next free negative code.
 """
 
 from __future__ import annotations
