@@ -8,7 +8,6 @@ import dp_accounting
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_dp
 from conftest import flat_norms, loop_per_example_gradients, sparse_ce
