@@ -181,3 +181,39 @@ def test_an_adaptive_bound_gets_every_examples_squared_norm_and_sets_the_noise()
     step = noisy.get_weights()[1] - before
     # σ_Δ·C_0/L = 2·1.3·0.5/8; the sample std of 4000 normals has relative sd 1.1 %: 5 sd.
     assert abs(step.std() / (2 * sigma * 0.5 / 8) - 1) < 5 / np.sqrt(2 * units)
+
+
+class _CountingNoise(tf_dp.noise.privatizer.GaussianNoise):
+    """Gaussian noise that counts its builds and resets."""
+
+    def __init__(self):
+        self.builds, self.resets = 0, 0
+
+    def build(self, variables):
+        self.builds += 1
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_the_privatizer_is_built_once_and_reset_when_the_key_or_the_ledger_does_not_continue():
+    x, y = _separable(64)
+    noise = _CountingNoise()
+    model = _small_model(units=2)
+    model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, noise=noise), loss=sparse_ce)
+    assert model.optimizer.privatizer is noise
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert (noise.builds, noise.resets) == (1, 0)  # one key, one ledger, continued
+    model.optimizer.seed = None  # a new key
+    assert noise.resets == 1
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert noise.resets == 2  # the new key starts on a ledger it has not drawn on
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert noise.resets == 2  # continued
+    trained = _small_model(seed=2, units=2)
+    trained.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=sparse_ce)
+    trained.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    fresh = _CountingNoise()
+    trained.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, noise=fresh), loss=sparse_ce)
+    trained.fit(x, y, batch_size=16, epochs=1, verbose=0)  # resumes a ledger this key never drew on
+    assert fresh.resets == 1

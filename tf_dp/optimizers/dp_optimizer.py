@@ -229,6 +229,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             with this seed (warned).
         """
         self._key_guard.set_seed(seed, allow_resume)
+        self.privatizer.reset()  # a new key: a stateful privatizer's secret state starts afresh
 
     def guard_noise_counter(self, dp_step: int, ledger) -> None:
         """Called before DP steps start at ``ledger``'s count ``dp_step``; refuses or re-keys
@@ -240,8 +241,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
           is fresh OS entropy; with one, a hash of (seed, generation), reproducible.
         * A seed on a ledger that has taken steps this key has not drawn (a resume) raises,
           unless ``set_seed(..., allow_resume=True)``.
+
+        A re-key, or steps that do not continue this key's own draws (a resumed model),
+        reset the privatizer's secret state (contract of ``tf_dp.noise.Privatizer.reset``).
         """
-        self._key_guard.guard(dp_step, ledger, self.name)
+        if self._key_guard.guard(dp_step, ledger, self.name):
+            self.privatizer.reset()
 
     def record_noise_counter(self, dp_step: int) -> None:
         """Steps below ``dp_step`` have drawn noise with the current key."""

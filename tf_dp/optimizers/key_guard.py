@@ -76,9 +76,16 @@ class NoiseKeyGuard:
         self._ledger = lambda: None  # a weak reference to the ledger this key draws for
         self._seeded_from_zero = False  # this key's seed has drawn on that ledger since its step 0
 
-    def guard(self, dp_step: int, ledger, name: str) -> None:
+    def guard(self, dp_step: int, ledger, name: str) -> bool:
         """Before DP steps start at ``ledger``'s count ``dp_step``: re-keys or refuses so that
-        no (key, step) pair ever draws noise twice (``DPOptimizer.guard_noise_counter``)."""
+        no (key, step) pair ever draws noise twice (``DPOptimizer.guard_noise_counter``).
+
+        Returns:
+          True when the steps about to run do not continue this key's own draws (a new key, a
+          resumed or rolled-back ledger): a stateful privatizer must start afresh.
+        """
+        generation = self._generation
+        continues = self._ledger() is ledger and dp_step == self._fresh_from_step
         if self._ledger() is not ledger:
             if self._fresh_from_step or self._seeded_from_zero:
                 self._rekey_next_generation()
@@ -90,6 +97,7 @@ class NoiseKeyGuard:
             self._refuse_seeded_resume(dp_step, name)
         if dp_step == 0:
             self._seeded_from_zero = self.user_seed is not None
+        return self._generation != generation or not (continues or dp_step == 0)
 
     def _rekey_next_generation(self) -> None:
         self._generation += 1
