@@ -192,7 +192,7 @@ class _CountingNoise(tf_dp.noise.privatizer.GaussianNoise):
     def build(self, variables):
         self.builds += 1
 
-    def reset(self):
+    def reset(self, dp_step=0):
         self.resets += 1
 
 

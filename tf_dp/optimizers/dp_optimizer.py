@@ -246,7 +246,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         reset the privatizer's secret state (contract of ``tf_dp.noise.Privatizer.reset``).
         """
         if self._key_guard.guard(dp_step, ledger, self.name):
-            self.privatizer.reset()
+            self.privatizer.reset(int(dp_step))
 
     def record_noise_counter(self, dp_step: int) -> None:
         """Steps below ``dp_step`` have drawn noise with the current key."""
