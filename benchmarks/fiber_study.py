@@ -358,7 +358,7 @@ class PremiseProbe(keras.callbacks.Callback):
 
     def measure(self, optimizer, noise_filtered, noise_velocity):
         correction = 1 - self.beta_2**self.step
-        v_hat = np.concatenate([v.numpy().ravel() for v in optimizer._velocities]) / correction
+        v_hat = np.concatenate([v.numpy().ravel() for v in optimizer.inner_optimizer._velocities]) / correction
         g_tilde = np.concatenate([v.numpy().ravel() for v in optimizer._filtered_gradients])
         noise_v_hat = noise_velocity / correction
         a_t = float(optimizer.filter_attenuation().numpy())

@@ -10,12 +10,12 @@ from tf_dp.accounting import calibrate_noise_multiplier, compute_epsilon
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
 from tf_dp.averaging import ParameterAveraging
 from tf_dp.models import DPModel, DPSequential, fix, make_private, validate
-from tf_dp.optimizers import FIBER, DiSK, DPAdam, DPAdamW, DPSGD
+from tf_dp.optimizers import FIBER, DiSK, DPAdam, DPAdamW, DPOptimizer, DPSGD
 
 from tf_dp._version import __version__  # noqa: E402
 
 __all__ = [
-    "FIBER", "DPAdam", "DPAdamW", "DPModel", "DPSGD", "DiSK", "DPSequential", "PrivacyBudget", "PrivacyReport",
+    "FIBER", "DPAdam", "DPAdamW", "DPModel", "DPOptimizer", "DPSGD", "DiSK", "DPSequential", "PrivacyBudget", "PrivacyReport",
     "accounting", "audit", "calibrate_noise_multiplier", "clipping", "features", "filters", "raco", "compute_epsilon", "make_private", "noise",
     "fix", "sampling", "validate", "ParameterAveraging",
 ]

@@ -39,13 +39,16 @@ class DPTrainStep:
         optimizer, ledger = self.optimizer, self.privacy_ledger
         dp_step, sigma = ledger.steps.read_value(), optimizer.noise_multiplier_tensor()
         points = optimizer.evaluation_points(self.trainable_variables)
-        clipped_sums = self._clipped_sum_over_chunks(x, y, mask, optimizer.clip_bound(), points)
+        wants_norms = getattr(optimizer, "adaptive_clip", None) is not None  # C_{t+1} from the batch's norms
+        clipped_sums, squared_norms = self._clipped_sum_over_chunks(x, y, mask, optimizer.clip_bound(), points,
+                                                                    wants_norms)
         # Before the update: a step is released only if the budget allows it AND the ledger
         # recorded it (0 when its table is full: the host then stops training).
         self._release = ledger.record_step(sigma, self.step_limit.allows(dp_step, sigma))
         optimizer.apply_private_gradients(
             clipped_sums, self.trainable_variables, expected_batch_size, self._regularization_gradients(),
             dp_step=dp_step, noise_multiplier=sigma, release=self._release,
+            squared_norms=squared_norms, mask=tf.reshape(mask, [-1]) if wants_norms else None,
         )
         # The ledger's refusal count rides with the logs (public: a function of σ and the
         # table); the host reads it from them, cheaper than a variable read per execution.
@@ -150,34 +153,42 @@ class DPTrainStep:
             sample_weight = class_weights_of(y, table)
         return y if sample_weight is None else WeightedTargets(y, sample_weight)
 
-    def _clipped_sum_over_chunks(self, x, y, mask, clip, points):
-        """Σ over the batch's chunks of Σ_i c_i g_i; also counts non-finite examples."""
+    def _clipped_sum_over_chunks(self, x, y, mask, clip, points, with_squared_norms=False):
+        """Σ over the batch's chunks of Σ_i c_i g_i, and — if asked, for an adaptive clip
+        bound — every example's squared norm concatenated over chunks ([chunks·P]; else
+        None); also counts non-finite examples."""
 
         def chunk(index):
             take = lambda t: tf.gather(t, index)  # noqa: E731
             return tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), take(mask)
 
-        totals = ([tf.zeros_like(v) for v in self.trainable_variables], tf.constant(0.0))
-        if tf.nest.flatten(x)[0].shape[0] == 1:
-            totals = self._clip_chunk(*chunk(0), clip, points, totals)
+        static_chunks = tf.nest.flatten(x)[0].shape[0]
+        norms = tf.TensorArray(tf.float32, size=static_chunks if static_chunks else tf.shape(mask)[0],
+                               element_shape=mask.shape[1:]) if with_squared_norms else ()
+        totals = ([tf.zeros_like(v) for v in self.trainable_variables], tf.constant(0.0), norms)
+        if static_chunks == 1:
+            totals = self._clip_chunk(*chunk(0), clip, points, totals, 0)
         else:
             chunks = tf.shape(mask)[0]
-            _, totals = tf.while_loop(lambda index, _: index < chunks,
-                                      lambda index, t: (index + 1, self._clip_chunk(*chunk(index), clip, points, t)),
-                                      (tf.constant(0), totals))
-        sums, nonfinite = totals
+            _, totals = tf.while_loop(
+                lambda index, _: index < chunks,
+                lambda index, t: (index + 1, self._clip_chunk(*chunk(index), clip, points, t, index)),
+                (tf.constant(0), totals))
+        sums, nonfinite, norms = totals
         if not self._dp["private_logs"]:
             # Outside the loop: a cross-replica variable update may not sit in control flow.
             self.nonfinite_examples.assign_add(nonfinite)
-        return sums
+        return sums, (norms.concat() if with_squared_norms else None)
 
-    def _clip_chunk(self, x, y, mask, clip, points, totals):
+    def _clip_chunk(self, x, y, mask, clip, points, totals, index):
         result = clipped_gradient_sum(self, self._chunk_loss(), x, y, mask, clip, engine=self._dp["engine"],
                                       points=points, clipping=getattr(self.optimizer, "clipping", None))
         if not self._dp["private_logs"]:
             self._track_train_metrics(x, y, mask, result)
-        sums, nonfinite = totals
-        return [s + c for s, c in zip(sums, result.clipped_sums)], nonfinite + result.nonfinite_count(mask)
+        sums, nonfinite, norms = totals
+        if not isinstance(norms, tuple):
+            norms = norms.write(index, tf.cast(result.squared_norms, tf.float32))
+        return [s + c for s, c in zip(sums, result.clipped_sums)], nonfinite + result.nonfinite_count(mask), norms
 
     def _track_train_metrics(self, x, y, mask, result):
         if getattr(self, "_augmentation_views", ONE_VIEW).targets_per_view:  # user-level (§11): the engine

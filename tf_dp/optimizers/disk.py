@@ -5,10 +5,11 @@
     g̃_t = (1 − κ) g̃_{t−1} + κ ĝ_t
     θ_{t+1} = BaseOptimizer(θ_t, g̃_t)      base ∈ {"adamw", "adam", "sgd"}
 
-With ``noise_bias_correction=True`` (Adam bases) the second moment is corrected by the
-noise variance the EMA leaves in g̃_t, A_t·σ_w² with A_t = (1 − κ)² A_{t−1} + κ² → κ/(2 − κ),
-not by the full σ_w² of ĝ_t (``correction="stationary"``: κ/(2 − κ) from the first step;
-``"full"``: σ_w², for ablations).
+The chain of ``tf_dp.DPOptimizer`` with a ``TwoPointObservation`` and an ``EMAFilter``
+(gain κ) around the base. With ``noise_bias_correction=True`` (Adam bases) the inner
+``BiasCorrectedAdam(W)`` subtracts the noise variance the EMA leaves in g̃_t, A_t·σ_w² with
+A_t = (1 − κ)² A_{t−1} + κ² → κ/(2 − κ), not the full σ_w² of ĝ_t
+(``correction="stationary"``: κ/(2 − κ) from the first step; ``"full"``: σ_w², ablations).
 """
 
 from __future__ import annotations
@@ -18,78 +19,74 @@ from typing import Optional
 import keras
 
 from tf_dp import _checks
-from tf_dp.filters import ema_attenuation_factor, ema_filter, ema_noise_variance_step
-from tf_dp.optimizers.dp_optimizer import DPOptimizer
-from tf_dp.optimizers.dpadam import DPAdam
-from tf_dp.optimizers.dpadamw import DPAdamW
-from tf_dp.optimizers.dpsgd import DPSGD
-from tf_dp.optimizers.noise_bias_correction import FilteredNoiseVariance
-from tf_dp.optimizers.two_point import TwoPointObservation
+from tf_dp.optimizers.bases import BASES, make_inner
+from tf_dp.optimizers.bias_corrected_adam import DEFAULT_VARIANCE_FLOOR
+from tf_dp.optimizers.filtered import FilteredDPOptimizer
+from tf_dp.optimizers.transforms import EMAFilter, TwoPointObservation
 
-BASES = ("adamw", "adam", "sgd")
 # Untuned first tries (docs/fiber_study.md, "Untuned defaults"): lr = 5e-3 was DiSK-AdamW's tuned
 # optimum at every ε on MNIST; the SGD base keeps Keras' SGD default.
 DEFAULT_LEARNING_RATES = {"adamw": 5e-3, "adam": 5e-3, "sgd": 0.01}
+_NAMES = {"adamw": "DiSKAdamW", "adam": "DiSKAdam", "sgd": "DiSKSGD"}
 
 
-class DiSK(TwoPointObservation, FilteredNoiseVariance, DPOptimizer):
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DiSK(FilteredDPOptimizer):
     """``DiSK(learning_rate=None, kappa=0.7, gamma=0.5, base="adamw", **base_and_dp_kwargs)``.
 
-    Builds the DiSK variant of the chosen base (``DiSKAdamW``, ``DiSKAdam``, ``DiSKSGD``);
-    every argument of that base DP optimizer is accepted. κ = 1 is the base optimizer.
-    ``learning_rate=None`` takes DEFAULT_LEARNING_RATES[base] (5e-3 for the Adam bases).
+    Every argument of the base's DP optimizer (``DPAdamW``, ``DPAdam``, ``DPSGD``) is
+    accepted. κ = 1 is the base optimizer. ``learning_rate=None`` takes
+    DEFAULT_LEARNING_RATES[base] (5e-3 for the Adam bases).
     """
 
-    def __new__(cls, *args, base: str = "adamw", **kwargs):
-        if cls is DiSK:
-            cls = _VARIANTS[_checks.one_of("base", base, BASES)]
-        return super().__new__(cls)
-
-    def __init__(self, learning_rate=None, kappa: float = 0.7, gamma: float = 0.5, base: Optional[str] = None,
-                 correction: str = "transient", **kwargs):
-        if learning_rate is None:
-            learning_rate = DEFAULT_LEARNING_RATES[self.base]
-        kwargs.setdefault("name", type(self).__name__)
-        super().__init__(learning_rate=learning_rate, **kwargs)
-        self._init_two_point(kappa, gamma)
-        self._init_correction(correction)
-        self.attenuation = ema_attenuation_factor(self.kappa)  # stationary κ/(2 − κ)
-
-    def _advance_filter_noise(self, state):
-        """A_t = (1 − κ)² A_{t−1} + κ²."""
-        return ema_noise_variance_step(state, self.kappa)
-
-    def build(self, variables):
-        if self.built:
-            return
-        super().build(variables)
-        self._filtered_gradients = self.add_optimizer_variables(variables, "filtered_gradient")
-
-    def update_step(self, gradient, variable, learning_rate):
-        """g̃_t = (1 − κ) g̃_{t−1} + κ ĝ_t, then the base update with g̃_t. Keras calls this
-        per variable with ĝ already summed over tf.distribute replicas."""
-        state = self._filtered_gradients[self._get_variable_index(variable)]
-        filtered = ema_filter(state.value, keras.ops.cast(gradient, state.dtype), self.kappa)
-        self.assign(state, filtered)
-        return super().update_step(filtered, variable, learning_rate)
+    def __init__(self, learning_rate=None, kappa: float = 0.7, gamma: float = 0.5, base: str = "adamw",
+                 correction: str = "transient", l2_norm_clip=1.0, noise_multiplier: Optional[float] = None,
+                 seed: Optional[int] = None, secure_mode: bool = False, noise_bias_correction: Optional[bool] = None,
+                 variance_floor: float = DEFAULT_VARIANCE_FLOOR, name: Optional[str] = None, noise=None,
+                 clipping=None, **kwargs):
+        base = _checks.one_of("base", base, BASES)
+        learning_rate = DEFAULT_LEARNING_RATES[base] if learning_rate is None else learning_rate
+        name = name or _NAMES[base]
+        if base == "adamw":
+            kwargs.setdefault("weight_decay", 0.004)
+        inner = make_inner(base, learning_rate, name, noise_bias_correction, variance_floor, **kwargs)
+        super().__init__(inner, l2_norm_clip, noise_multiplier, seed, secure_mode, noise, clipping, name=name)
+        self.base = base
+        self.noise_bias_correction, self.variance_floor = bool(noise_bias_correction), float(variance_floor)
+        observation = TwoPointObservation(kappa, gamma)
+        self._set_parts(observation, EMAFilter(observation.kappa, correction))
 
     def get_config(self):
-        return {**super().get_config(), **self._two_point_config(), "base": self.base, "correction": self.correction}
+        return {**self._flat_config(), **self._two_point_config(), "base": self.base}
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
-class DiSKAdamW(DiSK, DPAdamW):
-    base = "adamw"
+class DiSKAdamW(DiSK):
+    """``DiSK(base="adamw")``."""
+
+    def __init__(self, learning_rate=None, kappa: float = 0.7, gamma: float = 0.5, base: str = "adamw", **kwargs):
+        _require_base(type(self), base, "adamw")
+        super().__init__(learning_rate, kappa, gamma, "adamw", **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
-class DiSKAdam(DiSK, DPAdam):
-    base = "adam"
+class DiSKAdam(DiSK):
+    """``DiSK(base="adam")``."""
+
+    def __init__(self, learning_rate=None, kappa: float = 0.7, gamma: float = 0.5, base: str = "adam", **kwargs):
+        _require_base(type(self), base, "adam")
+        super().__init__(learning_rate, kappa, gamma, "adam", **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
-class DiSKSGD(DiSK, DPSGD):
-    base = "sgd"
+class DiSKSGD(DiSK):
+    """``DiSK(base="sgd")``."""
+
+    def __init__(self, learning_rate=None, kappa: float = 0.7, gamma: float = 0.5, base: str = "sgd", **kwargs):
+        _require_base(type(self), base, "sgd")
+        super().__init__(learning_rate, kappa, gamma, "sgd", **kwargs)
 
 
-_VARIANTS = {"adamw": DiSKAdamW, "adam": DiSKAdam, "sgd": DiSKSGD}
+def _require_base(cls, given: str, base: str) -> None:
+    if given != base:
+        raise ValueError(f"{cls.__name__} has base={base!r}; got base={given!r}. Use tf_dp.DiSK(base=...).")

@@ -1,22 +1,29 @@
-"""The privatizing half of every tf_dp optimizer: noise once, average by L, then update.
+"""``DPOptimizer(inner)``: makes any ``keras.optimizers.Optimizer`` differentially private.
 
 A DP optimizer never sees raw gradients. The model (``tf_dp.DPModel``) hands it the SUM
-of per-example clipped gradients Σ_i ḡ_i; the optimizer applies the Gaussian mechanism
-and the average of docs/algorithms.md §1 steps 4–5,
+of per-example clipped gradients Σ_i ḡ_i; the optimizer runs the chain of
+``tf_dp.optimizers.transforms`` (docs/algorithms.md §1 steps 4–5),
 
-    ĝ = (Σ_i ḡ_i + N(0, σ²C² I)) / L,
+    ĝ_t = (Σ_i ḡ_i + z_t) / L,   z_t ~ N(0, σ² S(C)² I)   (S(C) = clipping.sensitivity(C)),
 
-and passes ĝ to its base Keras update (SGD, Adam, AdamW; DiSK/FIBER filter ĝ inside
-``update_step``, where Keras hands it the gradient summed over tf.distribute replicas). L is the expected
-batch size under Poisson sampling (never the realized size) or the public size of an
-explicit batch. Calling ``apply``/``apply_gradients`` directly — what a plain
+then its filters (DiSK, FIBER), then the INNER optimizer's update with the result:
+``DPOptimizer(keras.optimizers.Lion(1e-3), noise_multiplier=1.0)`` is DP-Lion. L is the
+expected batch size under Poisson sampling (never the realized size) or the public size of
+an explicit batch. Calling ``apply``/``apply_gradients`` directly — what a plain
 ``keras.Model`` does — raises, so a DP optimizer can never train non-privately by accident.
+
+In the manner of Keras' ``LossScaleOptimizer``, the inner optimizer is part of the config,
+builds and owns its variables, and ``learning_rate``, ``iterations`` and Keras' base
+options (EMA, gradient accumulation, weight decay, gradient clipping of the noisy average)
+are the inner's. The saved state is one flat list — the inner's iteration and learning
+rate, the DP variables (C, σ, σ_w), the inner's slots, then the transforms' state — the
+layout the tf_dp optimizers have always saved, so older ``.keras`` files load and resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-import weakref
 from typing import Optional, Sequence
 
 import keras
@@ -25,7 +32,10 @@ import tensorflow as tf
 
 from tf_dp import _checks
 from tf_dp.clipping import CURRENT_WEIGHTS
-from tf_dp.noise import NoiseKey, add_gaussian_noise, secure_key
+from tf_dp.clipping.policy import resolve_clipping
+from tf_dp.noise.privatizer import resolve_privatizer
+from tf_dp.optimizers import transforms
+from tf_dp.optimizers.key_guard import NoiseKeyGuard
 
 _NOT_CALIBRATED = float("nan")
 
@@ -38,66 +48,147 @@ def _replica() -> tuple:
     return context.replica_id_in_sync_group, context.num_replicas_in_sync
 
 
-class DPOptimizer:
-    """Mixin placed before a Keras optimizer class: ``class DPSGD(DPOptimizer, keras.optimizers.SGD)``.
+class _InnerAttribute:
+    """A Keras base-optimizer option (``use_ema``, ``weight_decay``, ...) that belongs to the
+    inner optimizer: read and set there. Keras' own ``__init__``/``build`` of the wrapper see
+    the default, so the wrapper keeps no EMA or accumulator of its own."""
+
+    def __init__(self, default):
+        self.default = default
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, optimizer, owner=None):
+        if optimizer is None:
+            return self
+        inner = optimizer.__dict__.get("inner_optimizer")
+        if inner is None or optimizer.__dict__.get("_building_own_state", False):
+            return self.default
+        return getattr(inner, self.name)
+
+    def __set__(self, optimizer, value):
+        inner = optimizer.__dict__.get("inner_optimizer")
+        if inner is not None:
+            setattr(inner, self.name, value)
+        elif value != self.default:
+            raise ValueError(f"Set `{self.name}` on the inner optimizer, not on tf_dp.DPOptimizer.")
+
+
+_BASE_OPTIONS = {
+    "weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
+    "ema_momentum": 0.99, "ema_overwrite_frequency": None, "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DPOptimizer(keras.optimizers.Optimizer):
+    """``DPOptimizer(inner, l2_norm_clip=1.0, noise_multiplier=None, seed=None, secure_mode=False,
+    noise=None, clipping=None, name="DPOptimizer")``.
 
     Args:
-      l2_norm_clip: C, the per-example clipping bound (flat L2 norm over all trainable
-        variables).
-      noise_multiplier: σ; the noise on the clipped sum has std σ·C. ``None`` only when a
-        ``target_epsilon`` given to ``DPModel.compile`` calibrates it before training.
+      inner_optimizer: the Keras optimizer that updates the weights with the privatized
+        gradient (not built yet, not itself a DP optimizer).
+      l2_norm_clip: C, the per-example clipping bound; or an adaptive bound (an object with
+        ``next_bound``/``gradient_noise_multiplier``, e.g. ``tf_dp.clipping.AdaptiveClip``)
+        whose current C_t lives in the ``l2_norm_clip`` variable.
+      noise_multiplier: σ; the noise on the clipped sum has std σ·clipping.sensitivity(C).
+        ``None`` only when a ``target_epsilon`` given to ``DPModel.compile`` calibrates it.
       seed: key of the noise stream (reproducible). ``None`` draws a fresh one from the OS.
-        The key is a secret kept in memory only: it is never written into a saved model,
-        weights file, checkpoint or ``get_config`` (whoever held it could subtract the
-        noise). A seed keys only a model whose ledger has taken no DP step: a resumed
-        model trains with ``seed=None`` (see ``set_seed``).
-      secure_mode: draw a fresh key from the OS CSPRNG at every step (and Poisson batches
-        from OS entropy): the production setting; no seed, no XLA.
+        The key is a secret kept in memory only: never in a saved model, weights file,
+        checkpoint or ``get_config``. A seed keys only a model whose ledger has taken no DP
+        step: a resumed model trains with ``seed=None`` (see ``set_seed``).
+      secure_mode: a fresh key from the OS CSPRNG at every step (and Poisson batches from
+        OS entropy): the production setting; no seed, no XLA.
+      noise: the privatizer (``tf_dp.noise.Privatizer``, a registered name, or None for
+        ``GaussianNoise()``).
+      clipping: the clipping policy (``tf_dp.clipping.ClippingPolicy``, a registered name, or
+        None for ``"flat"``).
+      name: the optimizer's name.
     """
 
-    def _init_dp(self, l2_norm_clip: float, noise_multiplier: Optional[float], seed: Optional[int],
-                 secure_mode: bool = False):
-        l2_norm_clip = _checks.positive("l2_norm_clip", l2_norm_clip, "It is the per-example clip bound C.")
-        if noise_multiplier is not None:
-            noise_multiplier = _checks.non_negative(
-                "noise_multiplier", noise_multiplier, "Noise std on the clipped sum is noise_multiplier * l2_norm_clip."
-            )
+    weight_decay = _InnerAttribute(None)
+    clipnorm = _InnerAttribute(None)
+    global_clipnorm = _InnerAttribute(None)
+    clipvalue = _InnerAttribute(None)
+    use_ema = _InnerAttribute(False)
+    ema_momentum = _InnerAttribute(0.99)
+    ema_overwrite_frequency = _InnerAttribute(None)
+    loss_scale_factor = _InnerAttribute(None)
+    gradient_accumulation_steps = _InnerAttribute(None)
+
+    def __init__(self, inner_optimizer, l2_norm_clip=1.0, noise_multiplier: Optional[float] = None,
+                 seed: Optional[int] = None, secure_mode: bool = False, noise=None, clipping=None,
+                 name: Optional[str] = None, **kwargs):
+        _refuse_base_options(kwargs)
+        _check_inner(inner_optimizer)
         if not isinstance(secure_mode, bool):
             raise TypeError(f"`secure_mode` must be a bool, got {secure_mode!r}.")
-        self._check_seed(seed, secure_mode)
+        adaptive = l2_norm_clip if _is_adaptive(l2_norm_clip) else None
+        initial_clip = _initial_clip(l2_norm_clip, adaptive)
+        if noise_multiplier is not None:
+            noise_multiplier = _checks.non_negative(
+                "noise_multiplier", noise_multiplier, "Noise std on the clipped sum is noise_multiplier * l2_norm_clip.")
+        super().__init__(learning_rate=0.0, name=name or "DPOptimizer")
+        self.inner_optimizer = inner_optimizer
+        self._inner_base_variables = list(inner_optimizer.variables)  # its iteration (and learning rate)
         self.secure_mode = secure_mode
-        self._user_seed = None if seed is None else int(seed)
-        self._noise_key = NoiseKey(self._user_seed)
-        self._start_key(resume_allowed=False)
+        self._key_guard = NoiseKeyGuard(seed, secure_mode)
+        self.adaptive_clip = adaptive
+        self.privatizer = resolve_privatizer(noise)
+        self.clipping = resolve_clipping(clipping)
         with keras.name_scope(self.name, caller=self):
-            self._l2_norm_clip = self._dp_variable("l2_norm_clip", l2_norm_clip, "float32")
+            self._l2_norm_clip = self._dp_variable("l2_norm_clip", initial_clip)
             self._noise_multiplier = self._dp_variable(
-                "noise_multiplier", _NOT_CALIBRATED if noise_multiplier is None else noise_multiplier, "float32"
-            )
-            # σ_w = σ·C/L of the latest step, the noise std on the averaged gradient; read
-            # by noise-bias corrections (DP-AdamBC, FIBER).
-            self._averaged_noise_stddev = self._dp_variable("averaged_noise_stddev", 0.0, "float32")
+                "noise_multiplier", _NOT_CALIBRATED if noise_multiplier is None else noise_multiplier)
+            # σ_w = σ·S(C)/L of the latest step, the noise std on the averaged gradient: the
+            # public record behind the ``noise_std`` log (the chain passes σ_w on as a value).
+            self._averaged_noise_stddev = self._dp_variable("averaged_noise_stddev", 0.0)
+        self.filters = []  # GradientFilter parts, in chain order
+        self.observation = None  # a TwoPointObservation, or None for the gradient at θ_t
+        self._part_states = []  # (part, its state) once built
 
-    @staticmethod
-    def _check_seed(seed, secure_mode: bool):
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-            raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
-        if seed is not None and abs(int(seed)) < 2**32:
-            warnings.warn(
-                f"tf_dp: seed={seed} determines the noise: anyone who knows or guesses it (small seeds are easy to "
-                "guess) can subtract the noise from released weights. Use seed=None (a fresh key from the OS) for a "
-                "model you release, or a secret 64-bit seed.", UserWarning, stacklevel=4)
-        if secure_mode and seed is not None:
-            raise ValueError("`secure_mode=True` draws every step's noise key from the OS CSPRNG; it accepts no "
-                             "`seed`. Pass seed=None (or secure_mode=False for reproducible runs).")
-
-    def _dp_variable(self, name, value, dtype):
-        variable = keras.Variable(
-            np.asarray(value, dtype=dtype), name=name, dtype=dtype, trainable=False,
-            aggregation="only_first_replica",
-        )
+    def _dp_variable(self, name, value):
+        variable = keras.Variable(np.asarray(value, dtype="float32"), name=name, dtype="float32", trainable=False,
+                                  aggregation="only_first_replica")
         self._track_variable(variable)
         return variable
+
+    def __dir__(self):
+        # Keras' saver walks dir(): the inner's state is saved in this optimizer's own flat
+        # list (``save_own_variables``), not a second time under "inner_optimizer".
+        return [name for name in super().__dir__() if name != "inner_optimizer"]
+
+    def __setattr__(self, name, value):
+        if name == "seed":  # Keras skips assigning the value an attribute already holds: always re-key
+            self.set_seed(value)
+            return
+        super().__setattr__(name, value)
+
+    # -- delegated to the inner optimizer (as LossScaleOptimizer) --
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def _model_variables_moving_average(self):
+        return self.inner_optimizer._model_variables_moving_average  # Keras' EMA (ParameterAveraging)
+
+    @property
+    def _accumulated_gradients(self):
+        return self.inner_optimizer._accumulated_gradients
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
 
     # -- the DP parameters, single source of truth for model, optimizer and accountant --
     @property
@@ -119,19 +210,7 @@ class DPOptimizer:
 
     @property
     def seed(self) -> Optional[int]:
-        return self._user_seed
-
-    @seed.setter
-    def seed(self, value: Optional[int]):
-        """Re-keys the noise: None for a fresh key from the OS; a seed only before the
-        model's first DP step (``set_seed``)."""
-        self.set_seed(value)
-
-    def __setattr__(self, name, value):
-        if name == "seed":  # Keras skips assigning the value an attribute already holds: always re-key
-            self.set_seed(value)
-            return
-        super().__setattr__(name, value)
+        return self._key_guard.user_seed
 
     def set_seed(self, seed: Optional[int], allow_resume: bool = False) -> None:
         """Re-keys the noise from ``seed`` (None: a fresh secret key from the OS).
@@ -149,27 +228,8 @@ class DPOptimizer:
             never released: it VOIDS the DP guarantee as soon as one file is resumed twice
             with this seed (warned).
         """
-        self._check_seed(seed, self.secure_mode)
-        if not isinstance(allow_resume, bool):
-            raise TypeError(f"`allow_resume` must be a bool, got {allow_resume!r}.")
-        if allow_resume and seed is None:
-            raise ValueError("`allow_resume=True` applies to a seed; seed=None (a fresh OS key) resumes soundly "
-                             "without it.")
-        if allow_resume:
-            warnings.warn(
-                f"tf_dp: set_seed({seed}, allow_resume=True) lets this seed key a resumed model. Resuming one file "
-                "twice with it draws the same noise at the same steps, and the two releases cancel it: this VOIDS "
-                "the DP guarantee. Use it only for runs whose results are never released.", UserWarning, stacklevel=2)
-        self._user_seed = None if seed is None else int(seed)
-        self._noise_key.rekey(self._user_seed)
-        self._start_key(resume_allowed=allow_resume)
-
-    def _start_key(self, resume_allowed: bool) -> None:
-        """A new key that has drawn nothing yet, for no model yet."""
-        self._resume_allowed = resume_allowed
-        self._key_generation, self._fresh_from_step = 0, 0
-        self._noise_ledger = lambda: None  # a weak reference to the ledger this key draws for
-        self._seeded_from_zero = False  # this key's seed has drawn on that ledger since its step 0
+        self._key_guard.set_seed(seed, allow_resume)
+        self.privatizer.reset()  # a new key: a stateful privatizer's secret state starts afresh
 
     def guard_noise_counter(self, dp_step: int, ledger) -> None:
         """Called before DP steps start at ``ledger``'s count ``dp_step``; refuses or re-keys
@@ -181,51 +241,63 @@ class DPOptimizer:
           is fresh OS entropy; with one, a hash of (seed, generation), reproducible.
         * A seed on a ledger that has taken steps this key has not drawn (a resume) raises,
           unless ``set_seed(..., allow_resume=True)``.
+
+        A re-key, or steps that do not continue this key's own draws (a resumed model),
+        reset the privatizer's secret state (contract of ``tf_dp.noise.Privatizer.reset``).
         """
-        if self._noise_ledger() is not ledger:
-            if self._fresh_from_step or self._seeded_from_zero:
-                self._rekey_next_generation()
-            self._noise_ledger, self._fresh_from_step, self._seeded_from_zero = weakref.ref(ledger), 0, False
-        if dp_step < self._fresh_from_step:
-            self._rekey_next_generation()
-            self._fresh_from_step = dp_step
-        elif self._user_seed is not None and not self._resume_allowed:
-            self._refuse_seeded_resume(dp_step)
-        if dp_step == 0:
-            self._seeded_from_zero = self._user_seed is not None
-
-    def _rekey_next_generation(self) -> None:
-        self._key_generation += 1
-        self._noise_key.rekey(self._user_seed, self._key_generation)
-
-    def _refuse_seeded_resume(self, dp_step: int) -> None:
-        """A seed may continue only where it left off on a ledger it has keyed since step 0."""
-        if dp_step == 0 or (self._seeded_from_zero and dp_step == self._fresh_from_step):
-            return
-        raise ValueError(
-            f"{self.name}: seed={self._user_seed} would key noise on a model whose privacy ledger has already "
-            f"taken {dp_step} DP steps this key did not draw (a loaded .keras, load_weights, a model trained in "
-            "another process, or a new optimizer or seed on a trained model). A seeded resume redraws the noise "
-            "of steps that a copy of the same file may already have released, and two such releases cancel their "
-            "noise. Resume with `optimizer.seed = None` (a fresh secret key from the OS, the default: fully "
-            "private, reproducible in every other respect); for a lab run whose results are never released, "
-            "`optimizer.set_seed(seed, allow_resume=True)` (voids the guarantee if a file is resumed twice).")
+        if self._key_guard.guard(dp_step, ledger, self.name):
+            self.privatizer.reset(int(dp_step))
 
     def record_noise_counter(self, dp_step: int) -> None:
         """Steps below ``dp_step`` have drawn noise with the current key."""
-        self._fresh_from_step = max(self._fresh_from_step, int(dp_step))
+        self._key_guard.record(dp_step)
 
     def noise_key(self) -> tf.Tensor:
         """This step's Philox key: the in-memory key, or fresh OS entropy in secure mode."""
-        return secure_key() if self.secure_mode else self._noise_key.read()
+        return self._key_guard.read()
 
     def noise_multiplier_tensor(self) -> tf.Tensor:
         """σ as a tensor, read once per compiled step (noise and ledger use the same read)."""
         return self._noise_multiplier.value
 
     def clip_bound(self) -> tf.Tensor:
-        """C as a tensor, read inside the compiled train step."""
+        """C (C_t for an adaptive bound) as a tensor, read inside the compiled train step."""
         return self._l2_norm_clip.value
+
+    # -- building the parts --
+    def build(self, var_list):
+        if self.built:
+            return
+        var_list = list(var_list)
+        self.inner_optimizer.build(var_list)
+        self._building_own_state = True
+        try:
+            super().build(var_list)
+        finally:
+            self._building_own_state = False
+        with keras.name_scope(self.name, caller=self):
+            parts = self.filters + ([self.observation] if self.observation is not None else [])
+            self._part_states = [(part, part.init(self, var_list)) for part in parts]
+        self.privatizer.build(var_list)
+
+    def add_state_variable(self, shape, name: str):
+        """A zero-initialized state variable of a part (written in replica context with one
+        value on every replica, hence aggregation "only_first_replica")."""
+        return self.add_variable(shape=shape, dtype="float32", aggregation="only_first_replica", name=name)
+
+    def add_state_variables(self, variables, name: str, copy_values: bool = False) -> list:
+        """One state variable per trainable variable (zeros, or a copy of its value)."""
+        return [self.add_variable(shape=v.shape, dtype=v.dtype, aggregation="only_first_replica",
+                                  name=f"{v.path.replace('/', '_')}_{name}",
+                                  initializer=_value_of(v) if copy_values else "zeros")
+                for v in variables]
+
+    def part_state(self, part) -> dict:
+        """The state variables of ``part`` (a filter or the observation), by name."""
+        for owner, state in self._part_states:
+            if owner is part:
+                return state
+        raise ValueError(f"{self.name} is not built, or {part!r} is not one of its parts.")
 
     # -- the mechanism --
     def apply(self, grads, trainable_variables=None):
@@ -235,6 +307,9 @@ class DPOptimizer:
             "`tf_dp.DPModel`, `tf_dp.DPSequential` or `tf_dp.make_private(model)` instead of a "
             "plain keras.Model; those hand the optimizer per-example clipped sums."
         )
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        self.apply(grads, trainable_variables)
 
     def apply_private_gradients(
         self,
@@ -246,11 +321,13 @@ class DPOptimizer:
         dp_step: tf.Tensor,
         noise_multiplier: Optional[tf.Tensor] = None,
         release: Optional[tf.Tensor] = None,
+        squared_norms: Optional[tf.Tensor] = None,
+        mask: Optional[tf.Tensor] = None,
     ):
-        """ĝ = (Σ_i ḡ_i + N(0, σ²C² I)) / L, then the base optimizer's update with ĝ.
+        """ĝ = (Σ_i ḡ_i + z_t) / L through the chain, then the inner optimizer's update.
 
         Args:
-          clipped_sums: Σ_i ḡ_i per variable, each ḡ_i clipped to flat norm ≤ C.
+          clipped_sums: Σ_i ḡ_i per variable, each ḡ_i clipped to sensitivity S(C).
           trainable_variables: the variables, aligned with ``clipped_sums``.
           expected_batch_size: L — expected Poisson batch size or an explicit batch's size.
           public_gradients: data-independent terms (e.g. weight regularizers) added after
@@ -259,46 +336,210 @@ class DPOptimizer:
             counter, unique over the model's life.
           noise_multiplier: σ of this step (default: the variable's value), the same read
             the ledger records.
-          release: 1.0, or 0.0 when a privacy budget forbids this step: then the base
-            update receives a zero gradient (a function of public state only).
+          release: 1.0, or 0.0 when a privacy budget forbids this step: then the update
+            receives a zero gradient (a function of public state only).
+          squared_norms, mask: the batch's per-example squared norms [B] and 0/1 mask [B]
+            (all chunks), needed by an adaptive clip bound only.
         """
-        trainable_variables = list(trainable_variables)
+        variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
+                self.build(variables)
         sigma = self.noise_multiplier_tensor() if noise_multiplier is None else noise_multiplier
-        stddev_on_sum = sigma * self._l2_norm_clip.value
-        denominator = tf.cast(expected_batch_size, tf.float32)
+        bound, key = self._l2_norm_clip.value, self.noise_key()
+        stddev_on_sum = self._gradient_noise_multiplier(sigma) * self.clipping.sensitivity(bound)
         replica, replicas = _replica()
-        # Under tf.distribute the R replicas' averaged gradients are SUMMED by the optimizer:
-        # each adds an independent N(0, σ²C²/R) share, so the global sum carries exactly
-        # N(0, σ²C²), added once (R = 1: the plain mechanism).
-        noisy_sums = add_gaussian_noise(list(clipped_sums), stddev_on_sum / replicas**0.5, self.noise_key(),
-                                        dp_step, replica, replicas)
-        averaged = [g / tf.cast(denominator, g.dtype) for g in noisy_sums]
+        noisy_sums = transforms.privatize(self.privatizer, clipped_sums, stddev_on_sum, key, dp_step, replica,
+                                          replicas)
+        gradients = transforms.release_gate(transforms.average(noisy_sums, expected_batch_size), release)
+        noise_stddev = stddev_on_sum / tf.cast(expected_batch_size, tf.float32)
+        self._averaged_noise_stddev.assign(noise_stddev)
+        gradients = transforms.add_public_gradients(gradients, public_gradients)
+        self._advance_clip_bound(bound, squared_norms, mask, expected_batch_size, key, dp_step, release)
+        return self._filter_and_update(gradients, variables, tf.square(noise_stddev), replicas)
+
+    def _gradient_noise_multiplier(self, sigma):
+        """σ, or an adaptive bound's σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) (its count takes the rest)."""
+        return sigma if self.adaptive_clip is None else self.adaptive_clip.gradient_noise_multiplier(sigma)
+
+    def _advance_clip_bound(self, bound, squared_norms, mask, expected_batch_size, key, dp_step, release):
+        """C_{t+1} = adaptive.next_bound(C_t, ...) for an adaptive bound (kept on a refused step)."""
+        if self.adaptive_clip is None:
+            return
+        if squared_norms is None or mask is None:
+            raise ValueError(f"{self.name}: an adaptive l2_norm_clip needs the batch's `squared_norms` and `mask` "
+                             "in apply_private_gradients (tf_dp.DPModel passes them).")
+        following = self.adaptive_clip.next_bound(bound, squared_norms, mask, expected_batch_size, key, dp_step)
         if release is not None:
-            averaged = [g * tf.cast(release, g.dtype) for g in averaged]
-        self._averaged_noise_stddev.assign(stddev_on_sum / denominator)
-        if public_gradients is not None:
-            averaged = [g if p is None else g + tf.cast(p, g.dtype) for g, p in zip(averaged, public_gradients)]
-        return super().apply(averaged, trainable_variables)
+            following = tf.where(tf.cast(release, tf.float32) > 0, tf.cast(following, tf.float32), bound)
+        self._l2_norm_clip.assign(following)
+
+    def _filter_and_update(self, gradients, variables, noise_variance, replicas):
+        """The filters on ĝ (summed over replicas when they need it), θ_{t−1} ← θ_t for the
+        observation, then the inner update with the noise variance left in its gradient."""
+        reduced = replicas > 1 and any(f.needs_global_gradient for f in self.filters)
+        if reduced:
+            gradients = transforms.all_reduce_sum(gradients)
+        for part in self.filters:
+            gradients, noise_variance, new_state = part.update(gradients, noise_variance,
+                                                               _values(self.part_state(part)))
+            _assign(self.part_state(part), new_state)
+        if self.observation is not None:
+            _assign(self.part_state(self.observation), self.observation.record(variables))
+        if reduced:  # the inner optimizer sums the R replicas' (identical) gradients again
+            gradients = [g / tf.cast(replicas, g.dtype) for g in gradients]
+        with self._handing_noise_variance(noise_variance):
+            self.inner_optimizer.apply(gradients, variables)
+
+    def _handing_noise_variance(self, noise_variance):
+        if getattr(self.inner_optimizer, "uses_noise_variance", False):
+            return self.inner_optimizer.noise_variance_of_step(noise_variance)
+        return contextlib.nullcontext()
 
     def evaluation_points(self, trainable_variables) -> tuple:
-        """Where the model evaluates per-example gradients this step: θ_t for DP-SGD."""
-        return CURRENT_WEIGHTS
+        """Where the model evaluates per-example gradients this step: θ_t, or the
+        observation's points (DiSK, FIBER)."""
+        if self.observation is None:
+            return CURRENT_WEIGHTS
+        return self.observation.evaluation_points(list(trainable_variables),
+                                                  _values(self.part_state(self.observation)))
 
     def averaged_noise_stddev(self) -> tf.Tensor:
-        """σ_w = σ·C/L of the latest step (public: a function of the hyperparameters)."""
+        """σ_w = σ·S(C)/L of the latest step (public: a function of the hyperparameters)."""
         return self._averaged_noise_stddev.value
 
     def noise_variance_on_average(self, dtype) -> tf.Tensor:
-        """σ_w² = (σ·C/L)², the per-coordinate variance the noise adds to ĝ this step."""
-        return tf.square(tf.cast(self._averaged_noise_stddev.value, dtype))
+        """The per-coordinate noise variance left in what the inner optimizer received at the
+        latest step: σ_w², times A_t for each filter ("transient" correction)."""
+        variance = tf.square(tf.cast(self._averaged_noise_stddev.value, dtype))
+        for part in self.filters:
+            attenuation = tf.cast(self.part_state(part)["noise_covariance"].value[0], dtype)
+            variance = part.handed_on_variance(attenuation, variance)
+        return variance
 
+    # -- saving: one flat list in the layout tf_dp has always saved --
+    @property
+    def variables(self):
+        return self._saved_variables()
+
+    def _saved_variables(self) -> list:
+        """[inner iteration (and learning rate)] + [C, σ, σ_w] + [inner slots] + [parts' state]."""
+        base = self._inner_base_variables
+        slots = [v for v in self.inner_optimizer.variables if not any(v is b for b in base)]
+        dp = [self._l2_norm_clip, self._noise_multiplier, self._averaged_noise_stddev]
+        return base + dp + slots + self._part_variables()
+
+    def _part_variables(self) -> list:
+        """The parts' state in saved order: noise covariances, then θ_{t−1}, then the filters'
+        per-variable states."""
+        states = [state for _, state in self._part_states]
+        covariances = [s["noise_covariance"] for s in states if "noise_covariance" in s]
+        previous = [v for s in states for v in s.get("previous_weights", [])]
+        per_variable = [v for part in self.filters for name in part.state_names for v in self.part_state(part)[name]]
+        return covariances + previous + per_variable
+
+    def _legacy_layouts(self) -> list:
+        """Older saved layouts: lists of (variable or None to skip, convert) per stored entry."""
+        return []
+
+    def save_own_variables(self, store):
+        for index, variable in enumerate(self._saved_variables()):
+            store[str(index)] = variable.numpy()
+
+    def load_own_variables(self, store):
+        saved = self._saved_variables()
+        layouts = [[(v, None) for v in saved]] + self._legacy_layouts()
+        for layout in layouts:
+            if len(layout) == len(store.keys()):
+                for index, (variable, convert) in enumerate(layout):
+                    if variable is not None:
+                        value = store[str(index)]
+                        variable.assign(convert(np.asarray(value)) if convert else value)
+                return
+        warnings.warn(f"Skipping variable loading for optimizer '{self.name}', because it has {len(saved)} "
+                      f"variables whereas the saved optimizer has {len(store.keys())} variables.", stacklevel=2)
+
+    # -- config --
     def _dp_config(self) -> dict:
         return {
-            "l2_norm_clip": self.l2_norm_clip,
+            "l2_norm_clip": (keras.saving.serialize_keras_object(self.adaptive_clip) if self.adaptive_clip is not None
+                             else self.l2_norm_clip),
             "noise_multiplier": self.noise_multiplier,
             "seed": None,  # the seed is the user's secret: never serialized
             "secure_mode": self.secure_mode,
+            "noise": keras.saving.serialize_keras_object(self.privatizer),
+            "clipping": keras.saving.serialize_keras_object(self.clipping),
         }
+
+    def get_config(self):
+        return {"name": self.name, "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                **self._dp_config()}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = _deserialized_dp_config(config, custom_objects)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
+        return cls(inner, **config)
+
+
+# -------------------------------------------------------------------- helpers
+def _refuse_base_options(kwargs: dict) -> None:
+    for name in kwargs:
+        if name in _BASE_OPTIONS:
+            raise ValueError(f"tf_dp.DPOptimizer does not take `{name}`: set it on the inner optimizer, e.g. "
+                             f"DPOptimizer(keras.optimizers.SGD(..., {name}=...), ...).")
+    if kwargs:
+        raise TypeError(f"tf_dp.DPOptimizer got unexpected arguments {sorted(kwargs)}.")
+
+
+def _check_inner(inner) -> None:
+    if isinstance(inner, DPOptimizer):
+        raise TypeError("`inner_optimizer` is already a DP optimizer: wrapping it again would noise twice. Pass "
+                        "the plain Keras optimizer.")
+    if not isinstance(inner, keras.optimizers.Optimizer):
+        raise TypeError(f"`inner_optimizer` must be a keras.optimizers.Optimizer (e.g. keras.optimizers.Lion(1e-3)), "
+                        f"got {inner!r}.")
+    if inner.built:
+        raise ValueError("`inner_optimizer` is already built; pass a fresh optimizer (DPOptimizer builds it on the "
+                         "model's trainable variables).")
+
+
+def _is_adaptive(l2_norm_clip) -> bool:
+    return hasattr(l2_norm_clip, "next_bound") and hasattr(l2_norm_clip, "gradient_noise_multiplier")
+
+
+def _initial_clip(l2_norm_clip, adaptive) -> float:
+    if adaptive is None:
+        return _checks.positive("l2_norm_clip", l2_norm_clip, "It is the per-example clip bound C.")
+    initial = getattr(adaptive, "initial", None)
+    return _checks.positive("l2_norm_clip.initial", initial, "The adaptive bound starts at C_0 = initial.")
+
+
+def _deserialized_dp_config(config: dict, custom_objects=None) -> dict:
+    """A config whose learning rate (schedule) and adaptive clip bound are objects again."""
+    config = dict(config)
+    for name in ("learning_rate", "l2_norm_clip"):
+        if isinstance(config.get(name), dict):
+            config[name] = keras.saving.deserialize_keras_object(config[name], custom_objects=custom_objects)
+    return config
+
+
+def _value_of(variable):
+    def initializer(shape, dtype=None):
+        return tf.cast(tf.identity(variable.value), dtype or variable.dtype)
+
+    return initializer
+
+
+def _values(state: dict) -> dict:
+    return tf.nest.map_structure(lambda v: v.value, state)
+
+
+def _assign(state: dict, values: dict) -> None:
+    for name, value in values.items():
+        targets = state[name]
+        if isinstance(targets, (list, tuple)):
+            for target, new in zip(targets, value):
+                target.assign(tf.cast(new, target.dtype))
+        else:
+            targets.assign(tf.cast(value, targets.dtype))

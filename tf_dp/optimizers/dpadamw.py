@@ -6,24 +6,27 @@ from typing import Optional
 
 import keras
 
-from tf_dp.optimizers.dp_optimizer import DPOptimizer
-from tf_dp.optimizers.dpadam import DEFAULT_VARIANCE_FLOOR, NoiseBiasCorrectedAdamMixin
+from tf_dp.optimizers.bases import FlatConfigDPOptimizer, make_inner
+from tf_dp.optimizers.bias_corrected_adam import DEFAULT_VARIANCE_FLOOR
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
-class DPAdamW(NoiseBiasCorrectedAdamMixin, DPOptimizer, keras.optimizers.AdamW):
+class DPAdamW(FlatConfigDPOptimizer):
     """AdamW on the privatized gradient ĝ:
 
         θ ← θ − η (m̂ / (√v̄ + ε) + λ_wd θ),  v̄ = v̂  or  max(v̂ − σ_w², variance_floor).
 
-    Weight decay uses only θ (public), so it costs no privacy. Accepts every argument of
-    ``keras.optimizers.AdamW``.
+    Weight decay uses only θ (public), so it costs no privacy. The inner optimizer is
+    ``keras.optimizers.AdamW`` or, with ``noise_bias_correction=True``,
+    ``tf_dp.optimizers.BiasCorrectedAdamW``. Accepts every argument of ``keras.optimizers.AdamW``.
     """
+
+    base = "adamw"
 
     def __init__(
         self,
         learning_rate=0.001,
-        l2_norm_clip: float = 1.0,
+        l2_norm_clip=1.0,
         noise_multiplier: Optional[float] = None,
         seed: Optional[int] = None,
         secure_mode: bool = False,
@@ -31,11 +34,11 @@ class DPAdamW(NoiseBiasCorrectedAdamMixin, DPOptimizer, keras.optimizers.AdamW):
         noise_bias_correction: bool = False,
         variance_floor: float = DEFAULT_VARIANCE_FLOOR,
         name: str = "DPAdamW",
+        noise=None,
+        clipping=None,
         **kwargs,
     ):
-        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, name=name, **kwargs)
-        self._init_dp(l2_norm_clip, noise_multiplier, seed, secure_mode)
-        self._init_bias_correction(noise_bias_correction, variance_floor)
-
-    def get_config(self):
-        return {**super().get_config(), **self._dp_config(), **self._bias_correction_config()}
+        inner = make_inner(self.base, learning_rate, name, noise_bias_correction, variance_floor,
+                           weight_decay=weight_decay, **kwargs)
+        super().__init__(inner, l2_norm_clip, noise_multiplier, seed, secure_mode, noise, clipping, name=name)
+        self.noise_bias_correction, self.variance_floor = noise_bias_correction, float(variance_floor)

@@ -6,31 +6,32 @@ from typing import Optional
 
 import keras
 
-from tf_dp.optimizers.dp_optimizer import DPOptimizer
+from tf_dp.optimizers.bases import FlatConfigDPOptimizer, make_inner
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
-class DPSGD(DPOptimizer, keras.optimizers.SGD):
+class DPSGD(FlatConfigDPOptimizer):
     """θ ← θ − η·ĝ (or Keras' momentum/Nesterov form), ĝ = (Σ_i clip_C(g_i) + N(0, σ²C²I)) / L.
 
-    Accepts every argument of ``keras.optimizers.SGD`` plus ``l2_norm_clip``,
-    ``noise_multiplier`` and ``seed`` (see ``tf_dp.optimizers.DPOptimizer``).
+    ``tf_dp.DPOptimizer(keras.optimizers.SGD(...))`` with a flat config. Accepts every
+    argument of ``keras.optimizers.SGD`` plus the DP ones (see ``tf_dp.DPOptimizer``).
     """
+
+    base = "sgd"
 
     def __init__(
         self,
         learning_rate=0.01,
-        l2_norm_clip: float = 1.0,
+        l2_norm_clip=1.0,
         noise_multiplier: Optional[float] = None,
         seed: Optional[int] = None,
         secure_mode: bool = False,
         momentum: float = 0.0,
         nesterov: bool = False,
         name: str = "DPSGD",
+        noise=None,
+        clipping=None,
         **kwargs,
     ):
-        super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, name=name, **kwargs)
-        self._init_dp(l2_norm_clip, noise_multiplier, seed, secure_mode)
-
-    def get_config(self):
-        return {**super().get_config(), **self._dp_config()}
+        inner = make_inner("sgd", learning_rate, name, momentum=momentum, nesterov=nesterov, **kwargs)
+        super().__init__(inner, l2_norm_clip, noise_multiplier, seed, secure_mode, noise, clipping, name=name)

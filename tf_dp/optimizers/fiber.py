@@ -12,7 +12,9 @@ then AdamW on g̃_t with the filter-aware second moment
 
 where A_t is the variance the filter, started at zero, leaves of unit white noise after t
 steps (``tf_dp.filters.innovation_noise_covariance_step``); it grows to the stationary
-A(ω) = (2 − ω)/(4 − 3ω) within a few 1/ω steps.
+A(ω) = (2 − ω)/(4 − 3ω) within a few 1/ω steps. The chain of ``tf_dp.DPOptimizer``: a
+``TwoPointObservation``, an ``InnovationFilter`` handing on A_t·σ_w², and
+``BiasCorrectedAdamW`` as the inner optimizer.
 
 ω = 1 with a one-point observation (κ = 1) is DP-AdamBC; without the correction, DP-AdamW.
 
@@ -29,29 +31,21 @@ from typing import Optional
 import keras
 
 from tf_dp import _checks
-from tf_dp.filters import (
-    attenuation_factor,
-    ema_attenuation_factor,
-    ema_filter,
-    ema_noise_variance_step,
-    innovation_filter,
-    innovation_noise_covariance_step,
-)
-from tf_dp.optimizers.dpadam import DEFAULT_VARIANCE_FLOOR
-from tf_dp.optimizers.dpadamw import DPAdamW
-from tf_dp.optimizers.noise_bias_correction import FilteredNoiseVariance
+from tf_dp.optimizers.bases import make_inner
+from tf_dp.optimizers.bias_corrected_adam import DEFAULT_VARIANCE_FLOOR
+from tf_dp.optimizers.filtered import FilteredDPOptimizer
+from tf_dp.optimizers.transforms import EMAFilter, InnovationFilter, TwoPointObservation
 
 FILTERS = ("innovation", "ema")
-from tf_dp.optimizers.two_point import TwoPointObservation
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
-class FIBER(TwoPointObservation, FilteredNoiseVariance, DPAdamW):
+class FIBER(FilteredDPOptimizer):
     """AdamW on the innovation-filtered privatized gradient, with the filter-attenuated
     noise variance A_t·σ_w² removed from the second moment (A_t → A(ω)). Accepts every
     argument of ``tf_dp.DPAdamW``."""
 
-    _filter_noise_size = 3  # the noise covariance (a, c, d) of the state (g̃, r); A_t = a
+    base = "adamw"
 
     def __init__(
         self,
@@ -65,54 +59,43 @@ class FIBER(TwoPointObservation, FilteredNoiseVariance, DPAdamW):
         variance_floor: float = DEFAULT_VARIANCE_FLOOR,
         weight_decay: float = 0.004,
         noise_bias_correction: bool = True,
-        l2_norm_clip: float = 1.0,
+        l2_norm_clip=1.0,
         noise_multiplier: Optional[float] = None,
         seed: Optional[int] = None,
         secure_mode: bool = False,
         filter: str = "innovation",
         correction: str = "transient",
         name: str = "FIBER",
+        noise=None,
+        clipping=None,
         **kwargs,
     ):
-        super().__init__(
-            learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
-            variance_floor=variance_floor, weight_decay=weight_decay, noise_bias_correction=noise_bias_correction,
-            l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier, seed=seed, secure_mode=secure_mode, name=name,
-            **kwargs,
-        )
-        self._init_two_point(kappa, gamma)
-        self._init_correction(correction)
+        inner = make_inner("adamw", learning_rate, name, noise_bias_correction, variance_floor, beta_1=beta_1,
+                           beta_2=beta_2, epsilon=epsilon, weight_decay=weight_decay, **kwargs)
+        super().__init__(inner, l2_norm_clip, noise_multiplier, seed, secure_mode, noise, clipping, name=name)
+        self.noise_bias_correction, self.variance_floor = noise_bias_correction, float(variance_floor)
         self.filter = _checks.one_of("filter", filter, FILTERS)
-        # stationary A(ω), or the EMA's ω/(2 − ω)
-        self.attenuation = attenuation_factor(omega) if self.filter == "innovation" else ema_attenuation_factor(omega)
+        observation = TwoPointObservation(kappa, gamma)
+        gain_filter = InnovationFilter if self.filter == "innovation" else EMAFilter
+        self._set_parts(observation, gain_filter(omega, correction))
         self.omega = float(omega)
 
-    def _advance_filter_noise(self, state):
-        if self.filter == "ema":
-            return keras.ops.stack([ema_noise_variance_step(state[0], self.omega), state[1], state[2]])
-        return innovation_noise_covariance_step(state, self.omega)
+    @property
+    def _residuals(self) -> list:
+        """r_t per trainable variable (the innovation filter's state)."""
+        return self.part_state(self.gradient_filter)["smoothed_residual"]
 
-    def build(self, variables):
-        if self.built:
-            return
-        super().build(variables)
-        self._filtered_gradients = self.add_optimizer_variables(variables, "filtered_gradient")
-        self._residuals = self.add_optimizer_variables(variables, "smoothed_residual")
-
-    def update_step(self, gradient, variable, learning_rate):
-        """The innovation filter on ĝ_t (summed over tf.distribute replicas by Keras), then
-        the bias-corrected AdamW update with g̃_t."""
-        index = self._get_variable_index(variable)
-        state, residual = self._filtered_gradients[index], self._residuals[index]
-        observation = keras.ops.cast(gradient, state.dtype)
-        if self.filter == "ema":
-            new_state = ema_filter(state.value, observation, self.omega)
-        else:
-            new_state, new_residual = innovation_filter(state.value, residual.value, observation, self.omega)
-            self.assign(residual, new_residual)
-        self.assign(state, new_state)
-        return super().update_step(new_state, variable, learning_rate)
+    def _legacy_layouts(self) -> list:
+        """FIBER(filter="ema") used to save the innovation filter's layout: a 3-entry noise
+        covariance (A_t first) and unused residuals after the filtered gradients."""
+        if self.filter != "ema" or not self.built:
+            return []
+        state = self.part_state(self.gradient_filter)
+        head = self._saved_variables()
+        head = head[:len(head) - len(self._part_variables())]
+        covariance = [(state["noise_covariance"], lambda saved: saved[:1])]
+        rest = [(v, None) for v in self._previous_weights + self._filtered_gradients]
+        return [[(v, None) for v in head] + covariance + rest + [(None, None)] * len(self._filtered_gradients)]
 
     def get_config(self):
-        return {**super().get_config(), **self._two_point_config(), "omega": self.omega, "filter": self.filter,
-                "correction": self.correction}
+        return {**self._flat_config(), **self._two_point_config(), "omega": self.omega, "filter": self.filter}

@@ -1,0 +1,125 @@
+"""The noise key of a DP optimizer and the guard that no (key, step) pair draws twice.
+
+The key is a secret held in process memory only (``tf_dp.noise.NoiseKey``): never in a
+saved model, weights file, checkpoint or ``get_config``. A user seed keys only a model whose
+ledger has taken no DP step; a rollback re-keys; a seeded resume is refused unless the lab
+run opts in (``set_seed(seed, allow_resume=True)``). See ``tf_dp.noise.key``.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dp.noise import NoiseKey, secure_key
+
+
+def check_seed(seed, secure_mode: bool, stacklevel: int = 5) -> None:
+    """Refuses a non-int seed and a seed in secure mode; warns on a small (guessable) seed."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+        raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
+    if seed is not None and abs(int(seed)) < 2**32:
+        warnings.warn(
+            f"tf_dp: seed={seed} determines the noise: anyone who knows or guesses it (small seeds are easy to "
+            "guess) can subtract the noise from released weights. Use seed=None (a fresh key from the OS) for a "
+            "model you release, or a secret 64-bit seed.", UserWarning, stacklevel=stacklevel)
+    if secure_mode and seed is not None:
+        raise ValueError("`secure_mode=True` draws every step's noise key from the OS CSPRNG; it accepts no "
+                         "`seed`. Pass seed=None (or secure_mode=False for reproducible runs).")
+
+
+class NoiseKeyGuard:
+    """The optimizer's Philox key with its record of which ledger steps it has drawn.
+
+    A plain Python object (no ``tf.Module``): savers never reach the key.
+
+    Args:
+      seed: the user's secret seed, or None for a fresh key from the OS.
+      secure_mode: a fresh OS key at every step instead (``noise_key``).
+    """
+
+    def __init__(self, seed: Optional[int], secure_mode: bool):
+        check_seed(seed, secure_mode, stacklevel=6)
+        self.secure_mode = secure_mode
+        self.user_seed = None if seed is None else int(seed)
+        self._key = NoiseKey(self.user_seed)
+        self._start(resume_allowed=False)
+
+    def __repr__(self) -> str:
+        return "NoiseKeyGuard(<secret>)"
+
+    def set_seed(self, seed: Optional[int], allow_resume: bool = False) -> None:
+        """Re-keys from ``seed`` (None: fresh OS entropy); see ``DPOptimizer.set_seed``."""
+        check_seed(seed, self.secure_mode)
+        if not isinstance(allow_resume, bool):
+            raise TypeError(f"`allow_resume` must be a bool, got {allow_resume!r}.")
+        if allow_resume and seed is None:
+            raise ValueError("`allow_resume=True` applies to a seed; seed=None (a fresh OS key) resumes soundly "
+                             "without it.")
+        if allow_resume:
+            warnings.warn(
+                f"tf_dp: set_seed({seed}, allow_resume=True) lets this seed key a resumed model. Resuming one file "
+                "twice with it draws the same noise at the same steps, and the two releases cancel it: this VOIDS "
+                "the DP guarantee. Use it only for runs whose results are never released.", UserWarning, stacklevel=3)
+        self.user_seed = None if seed is None else int(seed)
+        self._key.rekey(self.user_seed)
+        self._start(resume_allowed=allow_resume)
+
+    def _start(self, resume_allowed: bool) -> None:
+        """A new key that has drawn nothing yet, for no model yet."""
+        self._resume_allowed = resume_allowed
+        self._generation, self._fresh_from_step = 0, 0
+        self._ledger = lambda: None  # a weak reference to the ledger this key draws for
+        self._seeded_from_zero = False  # this key's seed has drawn on that ledger since its step 0
+
+    def guard(self, dp_step: int, ledger, name: str) -> bool:
+        """Before DP steps start at ``ledger``'s count ``dp_step``: re-keys or refuses so that
+        no (key, step) pair ever draws noise twice (``DPOptimizer.guard_noise_counter``).
+
+        Returns:
+          True when the steps about to run do not continue this key's own draws (a new key, a
+          resumed or rolled-back ledger): a stateful privatizer must start afresh.
+        """
+        generation = self._generation
+        continues = self._ledger() is ledger and dp_step == self._fresh_from_step
+        if self._ledger() is not ledger:
+            if self._fresh_from_step or self._seeded_from_zero:
+                self._rekey_next_generation()
+            self._ledger, self._fresh_from_step, self._seeded_from_zero = weakref.ref(ledger), 0, False
+        if dp_step < self._fresh_from_step:
+            self._rekey_next_generation()
+            self._fresh_from_step = dp_step
+        elif self.user_seed is not None and not self._resume_allowed:
+            self._refuse_seeded_resume(dp_step, name)
+        if dp_step == 0:
+            self._seeded_from_zero = self.user_seed is not None
+        return self._generation != generation or not (continues or dp_step == 0)
+
+    def _rekey_next_generation(self) -> None:
+        self._generation += 1
+        self._key.rekey(self.user_seed, self._generation)
+
+    def _refuse_seeded_resume(self, dp_step: int, name: str) -> None:
+        """A seed may continue only where it left off on a ledger it has keyed since step 0."""
+        if dp_step == 0 or (self._seeded_from_zero and dp_step == self._fresh_from_step):
+            return
+        raise ValueError(
+            f"{name}: seed={self.user_seed} would key noise on a model whose privacy ledger has already "
+            f"taken {dp_step} DP steps this key did not draw (a loaded .keras, load_weights, a model trained in "
+            "another process, or a new optimizer or seed on a trained model). A seeded resume redraws the noise "
+            "of steps that a copy of the same file may already have released, and two such releases cancel their "
+            "noise. Resume with `optimizer.seed = None` (a fresh secret key from the OS, the default: fully "
+            "private, reproducible in every other respect); for a lab run whose results are never released, "
+            "`optimizer.set_seed(seed, allow_resume=True)` (voids the guarantee if a file is resumed twice).")
+
+    def record(self, dp_step: int) -> None:
+        """Steps below ``dp_step`` have drawn noise with the current key."""
+        self._fresh_from_step = max(self._fresh_from_step, int(dp_step))
+
+    def read(self) -> tf.Tensor:
+        """This step's Philox key: the in-memory key, or fresh OS entropy in secure mode."""
+        return secure_key() if self.secure_mode else self._key.read()
