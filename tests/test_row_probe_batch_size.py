@@ -160,10 +160,13 @@ def test_fit_refuses_a_batch_dependent_layer(layer_class):
 
 
 def test_a_magic_value_in_the_probed_rows_is_found_anywhere_in_them():
-    """The probe uses the real head rows (up to GUARD_ROWS of them): the magic example is
-    found at row 20 of a 40-row training set, though it never is one of the first 3."""
+    """The probe uses the real head rows (the first GUARD_ROWS of them, together): the magic
+    example is found at row 13 of a 40-row training set, beyond the 3 rows probed before."""
+    from tf_dp.models.row_independence import GUARD_ROWS
+
+    assert GUARD_ROWS > 13
     model = dp_model(RollOnMagicValue())
-    x, y = batch(magic_row=20, rows=40)
+    x, y = batch(magic_row=13, rows=40)
     with pytest.raises(ValueError, match=f"mixes examples.*{model.layers[0].name}"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
 

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tf_dp.clipping.clip import clip_factors, weighted_row_sum
 from tf_dp.clipping.layer_per_example import MaterializedContribution, squared_row_norms
-from tf_dp.clipping.per_example import per_example_gradients
+from tf_dp.clipping.per_example import per_example_gradients, total_embedding_lookups
 from tf_dp.clipping.rounding import FLOAT32_MAX, round_down_to_float32
 from tf_dp.clipping.registry import unit_variables
 from tf_dp.clipping.tap import LayerTap
@@ -274,7 +274,8 @@ def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points) -> Cl
     squared_norms = tf.add_n([squared_row_norms(g) for g in grads])
     factors = _float32_factors(squared_norms, l2_norm_clip, mask)
     sums = [weighted_row_sum(factors, g) for g in grads]
-    _, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
+    with total_embedding_lookups(model):  # the lookups of the map: ids out of range give zeros
+        _, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
     return ClippedBatch(sums, y_pred, losses, _as_float32(squared_norms))
 
 
