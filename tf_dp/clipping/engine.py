@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tf_dp.clipping.clip import weighted_row_sum
 from tf_dp.clipping.layer_per_example import MaterializedContribution, squared_row_norms
-from tf_dp.clipping.per_example import per_example_gradients
+from tf_dp.clipping.per_example import per_example_gradients, total_embedding_lookups
 from tf_dp.clipping.policy import ClippingPolicy, FlatClip, resolve_clipping
 from tf_dp.clipping.rounding import FLOAT32_MAX, round_down_to_float32
 from tf_dp.clipping.registry import unit_variables
@@ -322,7 +322,8 @@ def _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points, clipp
                                                        tf.zeros_like(norms[0][1]))
     factors = _float32_factors(clipping, group_norms, l2_norm_clip, mask)
     sums = [weighted_row_sum(factors[group_of_variable[id(v)]], g) for v, g in zip(model.trainable_variables, grads)]
-    _, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
+    with total_embedding_lookups(model):  # the lookups of the map: ids out of range give zeros
+        _, (y_pred, losses) = _observation_losses(model, per_example_loss, x, y, points)
     return ClippedBatch(sums, y_pred, losses, _as_float32(squared_norms))
 
 

@@ -4,15 +4,24 @@ Materialises g_i = ∂ℓ(θ; x_i)/∂θ for every example: exact for any model 
 not interact (a per-example ``tf.map_fn`` where ``vectorized_map`` cannot convert the
 model, e.g. recurrent layers), and memory-bound (P copies of the gradient). The fast engine
 (``tf_dp.clipping.engine``) must agree with it.
+
+Token ids outside [0, V) (docs/algorithms.md §6.2): while the map is traced, every
+Embedding (and ReversibleEmbedding's lookup) counts a negative id from the end and looks
+up a zero vector with no gradient for an id still out of range — Keras' result on a GPU,
+and the ghost rules' (``tf_dp.clipping.embedding``). Plain Keras fails on a CPU there, and
+a failure at the step that first samples such an example would tell when it was sampled.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Callable, Optional, Sequence
 
 import keras
 import tensorflow as tf
 
+from tf_dp.clipping.embedding import in_range_ids, zero_invalid
 from tf_dp.clipping.kernels import require_grouped_conv_kernels
 from tf_dp.clipping.layer_per_example import per_example_map, unrolled_sublayers
 
@@ -39,7 +48,8 @@ def per_example_gradients(
         return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, values)]
 
     signature = [tf.TensorSpec(v.shape, v.dtype) for v in values]
-    with unrolled_sublayers(model):  # recurrent layers without a while loop: XLA compiles them inside the map
+    # recurrent layers without a while loop (XLA compiles them inside the map); lookups total on every device
+    with unrolled_sublayers(model), total_embedding_lookups(model):
         return per_example_map(one_example, (x, y), signature, model.name)  # map_fn where pfor cannot convert
 
 
@@ -56,5 +66,39 @@ def _subset_gradients(model, per_example_loss, x, y, variables, values, indices)
         return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, watched)]
 
     signature = [tf.TensorSpec(values[j].shape, values[j].dtype) for j in indices]
-    with unrolled_sublayers(model):
+    with unrolled_sublayers(model), total_embedding_lookups(model):
         return per_example_map(one_example, (x, y), signature, model.name)
+
+
+@contextlib.contextmanager
+def total_embedding_lookups(model):
+    """While the map is traced, each Embedding in ``model`` (ReversibleEmbedding's forward
+    lookup included) looks up z_t = E[id_t + V·[id_t < 0]] where that is in [0, V) and
+    z_t = 0 (no gradient) elsewhere: its ``call`` is wrapped per instance and restored after."""
+    wrapped = []
+    for layer in model._flatten_layers(include_self=True):
+        if isinstance(layer, keras.layers.Embedding):
+            own = layer.__dict__.get("call")
+            wrapped.append((layer, own))
+            object.__setattr__(layer, "call", _total_lookup(layer, own or type(layer).call.__get__(layer)))
+    try:
+        yield
+    finally:
+        for layer, own in wrapped:
+            if own is None:
+                layer.__dict__.pop("call", None)
+            else:
+                object.__setattr__(layer, "call", own)
+
+
+def _total_lookup(layer, call):
+    @functools.wraps(call)
+    def lookup(inputs, *args, **kwargs):
+        if kwargs.get("reverse", args[0] if args else False):  # ReversibleEmbedding's logits: no ids
+            return call(inputs, *args, **kwargs)
+        ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
+        ids, valid = in_range_ids(ids, layer.input_dim)
+        outputs = call(ids, *args, **kwargs)
+        return zero_invalid(outputs, valid)
+
+    return lookup

@@ -1,30 +1,51 @@
 """A generic guard against layers and losses that mix examples (catches custom layers).
 
-Per-example clipping bounds example i's influence by C only if row i's output and loss
-depend on row i alone: f(X)_j = f(X')_j for every j ≠ k whenever X and X' differ only in
-row k. ``validate`` refuses the Keras layers known to break this (BatchNormalization,
-MixUp, ...); this guard tests the property itself, once per (model, loss), on a few real
-examples before the first DP step:
+Per-example clipping bounds example i's influence by C only if row i's output, loss and
+gradient depend on row i alone: ℓ_j(X) = ℓ_j(X') and ∇θ ℓ_j(X) = ∇θ ℓ_j(X') for every
+j ≠ k whenever X' is X with row k changed, REMOVED or added (add/remove adjacency changes
+the batch size B; docs/algorithms.md §1). ``validate`` refuses the Keras layers known to
+break this (BatchNormalization, MixUp, ...); this guard tests the property itself, once per
+(model, loss), on the first ``GUARD_ROWS`` real examples W (the head of the data, the first
+batch of a batched dataset or of ``train_on_batch``), before the first DP step:
 
-  for each row k of a small batch X (the first ``rows`` examples), X' = X with row k
-  replaced by another example: every other row's outputs and losses must be bit-identical.
+  * changed rows (same B, bit-identical): for each bit t of the row index, the rows S whose
+    bit t is 1 (then 0) are replaced by other real examples; every row outside S keeps its
+    outputs and loss bit for bit, and ∇θ Σ_{j∉S} v_j ℓ_j (fixed weights v_j > 0) is
+    unchanged. Any pair of rows is separated by some S, so a row that reads any other row
+    of W — e.g. only when that row holds a magic value present in W — is caught;
+  * padding rows: the odd rows replaced by zeros (a Poisson chunk's padding), same check;
+  * batch size (relative tolerance ``SIZE_TOLERANCE``: summation order may change with B):
+    W[:m − 1], and W followed by m further head rows (B = 2m), give the
+    kept rows the same outputs, losses and ∇θ Σ v_j ℓ_j (catches x·B, counts of rows).
 
 Randomness: both forward passes run in ``training=True`` mode inside a
 ``keras.StatelessScope`` that maps every model variable to its current value and every
 seed-generator state to a fixed value, so Dropout/RandomFlip/... draw the same per-row
-randomness for X and X', and no state (seeds, moving statistics) is updated by the guard.
-The comparison is repeated for ``RANDOM_DRAWS`` seed values, so a layer that mixes rows
-at random (a MixUp-like permutation that can leave rows in place) is caught too. If the model is still
-not reproducible (randomness outside Keras seed generators, e.g. an unseeded tf.random
-op), the comparison falls back to ``training=False`` with a warning (a layer mixing rows
-only in training would then pass); if even that is not reproducible the guard warns that
-it could not check. A training-mode call must also update no non-trainable state (a
-running mean of private rows would be released un-noised). Limits: the guard is a test
-on ``GUARD_ROWS`` rows, not a proof — a layer that mixes only larger batches passes.
+randomness for X and X' (Keras' stateless draws of a shorter batch are a prefix of the
+longer one's), and no state (seeds, moving statistics) is updated by the guard. The
+changed-row probes use ``RANDOM_DRAWS`` seed values in turn, so a layer that mixes rows at
+random (a MixUp-like permutation that can leave rows in place) is caught too. If the model
+is still not reproducible (randomness outside Keras seed generators, e.g. an unseeded
+tf.random op), the comparison falls back to ``training=False`` with a warning (a layer
+mixing rows only in training would then pass); if even that is not reproducible the guard
+warns that it could not check. A training-mode call must also update no non-trainable
+state (a running mean of private rows would be released un-noised). On a failure the probe
+is re-run recording every layer's inputs, outputs and their gradients, and the error names
+the innermost layer whose output (or input gradient) moves while its inputs (or output
+gradient) do not.
+
+Limits — a test, not a proof: a layer that mixes rows only for a value that appears in no
+probed row (an example beyond the first ``GUARD_ROWS``, or a later batch of
+``train_on_batch``), only at batch sizes the probe does not try (B > ``GUARD_ROWS`` +
+``DONOR_SEARCH``, or exactly the training size), or by an amount below ``SIZE_TOLERANCE``
+when B changes, passes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import math
 import warnings
 import weakref
 from typing import Callable, Optional
@@ -33,57 +54,336 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.clipping.per_example import total_embedding_lookups
 from tf_dp.models.losses import without_unused_targets
 
-GUARD_ROWS = 3
-DONOR_SEARCH = 64  # examples searched for one that differs from the row it replaces
+GUARD_ROWS = 16  # the real examples probed together (W)
+DONOR_SEARCH = 51  # further head rows: replacements for W's rows, and W + 16 of them (a larger batch)
 RANDOM_DRAWS = 4
+GRADIENT_BITS = 1  # changed-row probes whose gradients are compared: those of the index's lowest bits
+SIZE_TOLERANCE = 1e-4  # relative, for values compared across batch sizes (float32; looser for 16-bit floats)
 
 _checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+@dataclasses.dataclass
+class _Probe:
+    """One variant X' of W: ``kept[j]`` = row of X' that holds W's row ``compared[j]``;
+    ``weighted``: whether ∇θ Σ v_j ℓ_j over the compared rows is compared too."""
+    what: str
+    batch: tuple
+    compared: np.ndarray
+    kept: np.ndarray
+    draw: int
+    same_size: bool
+    weighted: bool = True
+
+
 def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=None, rows: int = GUARD_ROWS) -> None:
-    """Raises ValueError if changing one example of a small batch changes another example's
-    output or loss (see module docstring). ``x, y``: the training arrays (or tensors), or a
-    batched tf.data.Dataset of (x, y), whose first batch is used. Runs once per
-    (model, per_example_loss)."""
+    """Raises ValueError if changing, removing or adding examples of a small batch changes
+    another example's output, loss or gradient (see module docstring). ``x, y``: the
+    training arrays (or tensors), or a batched tf.data.Dataset of (x, y), whose first
+    batch is used. Runs once per (model, per_example_loss).
+
+    Args:
+      model: the Keras model (built here on a few rows if needed).
+      per_example_loss: ℓ(y, ŷ) → one loss per example, or None (outputs only).
+      x, y: the examples; their first ``rows`` are probed, the next ``DONOR_SEARCH`` are
+        the replacements and the larger batch.
+      rows: m, the size of the probed batch W.
+    """
     if per_example_loss in _checked.get(model, ()):
         return
+    with total_embedding_lookups(model):  # ids out of range look up zeros, as in the DP step
+        checked = _check(model, per_example_loss, x, y, rows)
+    if checked:
+        _checked.setdefault(model, weakref.WeakSet() if _weakrefable(per_example_loss) else set()).add(per_example_loss)
+
+
+def _check(model, per_example_loss, x, y, rows: int) -> bool:
+    """The probes of the module docstring; False if there was nothing to check."""
     if isinstance(x, tf.data.Dataset):
         x, y = _first_batch(x)
         y = without_unused_targets(per_example_loss, y)  # (y0, None) for loss=[fn, None]
     x, y = _as_numpy(x), None if y is None else _as_numpy(y)
-    count = _num_rows(x)
+    count = min(_num_rows(x), rows + DONOR_SEARCH)
     if count < 2:
-        return
+        return False
     batch = _take((x, y), np.arange(min(rows, count)))
     if not model.built:
-        model(batch[0], training=False)
-    _require_no_state_updates(model, batch)
-    training = _reproducible_mode(model, per_example_loss, batch)
+        model(_take(batch, np.arange(min(3, count)))[0], training=False)
+    probes = _probes(_take((x, y), np.arange(count)), _num_rows(batch[0]), RANDOM_DRAWS)
+    gradients = per_example_loss is not None and y is not None and bool(model.trainable_variables)
+    first = _base(model, per_example_loss, batch, [p for p in probes if p.draw == 0], True, 0, gradients,
+                  check_state=True)
+    training = _reproducible_mode(model, per_example_loss, batch, first[0])
     if training is False:
         warnings.warn("tf_dp could check only inference mode (training=False) for layers that mix rows: the model's "
                       "training-mode outputs differ between two identical calls even with Keras' random seeds fixed "
                       "(randomness outside keras.random, e.g. tf.random.shuffle). A layer that mixes rows only in "
                       "training (MixUp-like) would not be caught: draw randomness with keras.random and a SeedGenerator.",
-                      stacklevel=2)
+                      stacklevel=3)
+        for probe in probes:
+            probe.draw = 0
+        first = None
     if training is None:
         warnings.warn("tf_dp could not check that the model's rows are independent: its outputs differ between two "
-                      "identical calls even with Keras' random seeds fixed.", stacklevel=2)
-        return
-    donors = {k: _donor(x, y, k, count) for k in range(_num_rows(batch[0]))}
-    changed_batches = {k: _replace_row(batch, k, _take((x, y), np.array([donor])))
-                       for k, donor in donors.items() if donor is not None}
-    for draw in range(RANDOM_DRAWS if training else 1):
-        _require_rows_unmoved(model, per_example_loss, batch, changed_batches, training, draw)
-    _checked.setdefault(model, weakref.WeakSet() if _weakrefable(per_example_loss) else set()).add(per_example_loss)
+                      "identical calls even with Keras' random seeds fixed.", stacklevel=3)
+        return False
+    for draw in sorted({p.draw for p in probes}):
+        chosen = [p for p in probes if p.draw == draw]
+        base = first if draw == 0 and first is not None else _base(model, per_example_loss, batch, chosen, training,
+                                                                   draw, gradients)
+        _require_rows_unmoved(model, per_example_loss, batch, chosen, training, draw, base)
+    return True
 
 
-def _require_rows_unmoved(model, per_example_loss, batch, changed_batches: dict, training: bool, draw: int) -> None:
-    """For each k: f(X')_j = f(X)_j for all j ≠ k, X' = ``changed_batches[k]``, same randomness."""
-    base = _row_values(model, per_example_loss, batch, training, draw)
-    for k, changed in changed_batches.items():
-        _require_same_other_rows(base, _row_values(model, per_example_loss, changed, training, draw), k, training)
+# ------------------------------------------------------------------ the probes
+def _probes(head, m: int, draws: int) -> list:
+    """The variants of W = head[:m] (module docstring), changed-row probes cycling over draws."""
+    x, y = head
+    count = _num_rows(x)
+    batch = _take(head, np.arange(m))
+    everyone = np.arange(m)
+    probes = []
+    for bit in range(max(1, math.ceil(math.log2(m)))):
+        for value in (1, 0):
+            changed = everyone[(everyone >> bit) % 2 == value]
+            kept = np.setdiff1d(everyone, changed)
+            if len(changed) and len(kept):
+                donors = {k: _donor(head, k, count, m, offset=bit) for k in changed}
+                variant = batch
+                for k, donor in donors.items():
+                    if donor is not None:
+                        variant = _replace_row(variant, k, _take(head, np.array([donor])))
+                probes.append(_Probe(f"changing examples {_rows_text(changed)}", variant, kept, kept,
+                                     len(probes) % draws, same_size=True, weighted=bit < GRADIENT_BITS))
+    odd = everyone[1::2]
+    zeros = tf.nest.map_structure(lambda a: None if a is None else np.zeros_like(a[:1]), batch)
+    padded = batch
+    for k in odd:
+        padded = _replace_row(padded, k, zeros)
+    even = everyone[::2]
+    probes.append(_Probe(f"replacing examples {_rows_text(odd)} by padding rows of zeros", padded, even, even, 0,
+                         same_size=True, weighted=False))
+    if m > 1:
+        size = m - 1
+        prefix = np.arange(size)
+        probes.append(_Probe(f"removing examples {_rows_text(np.arange(size, m))} (batch size {m} → {size})",
+                             _take(batch, prefix), prefix, prefix, 0, same_size=False))
+    larger = min(count, 2 * m)
+    if larger > m:
+        probes.append(_Probe(f"adding {larger - m} examples (batch size {m} → {larger})",
+                             _take(head, np.arange(larger)), everyone, everyone, 0, same_size=False))
+    return probes
+
+
+def _rows_text(rows: np.ndarray) -> str:
+    rows = [int(r) for r in rows]
+    return ", ".join(map(str, rows)) if len(rows) <= 4 else f"{rows[0]}, {rows[1]}, …, {rows[-1]} ({len(rows)} rows)"
+
+
+def _row_weights(rows: int) -> np.ndarray:
+    """v_j ∈ [0.5, 1.5], fixed per row of W: Σ_j v_j ∇ℓ_j rarely cancels a mixed term."""
+    return 0.5 + np.random.default_rng(12345).uniform(size=rows)
+
+
+def _base(model, per_example_loss, batch, probes: list, training: bool, draw: int, gradients: bool,
+          check_state: bool = False) -> tuple:
+    """(values, per-probe weights of W's rows, per-probe ∇θ Σ_compared v ℓ) of W itself;
+    ``check_state``: also refuse non-trainable state the (training-mode) pass updates."""
+    v = _row_weights(_max_rows(batch, probes))
+    rows = _num_rows(batch[0])
+    weights = [_weights_on(p.compared, v[p.compared], rows) if gradients and p.weighted else None for p in probes]
+    scopes = [] if check_state else None
+    values, base_gradients = _evaluate(model, per_example_loss, batch, training, draw, weights, scopes)
+    if check_state:
+        _require_no_state_updates(model, scopes[0])
+    return values, weights, base_gradients
+
+
+def _max_rows(batch, probes: list) -> int:
+    return max([_num_rows(batch[0]), *(_num_rows(p.batch[0]) for p in probes)])
+
+
+def _require_rows_unmoved(model, per_example_loss, batch, probes: list, training: bool, draw: int, base) -> None:
+    """For each probe: f(X')_kept = f(X)_compared (outputs, ℓ, and ∇θ Σ_compared v ℓ), same randomness."""
+    v = _row_weights(_max_rows(batch, probes))
+    values, base_weights, base_gradients = base
+    for probe, base_weight, before_gradient in zip(probes, base_weights, base_gradients):
+        weights = _weights_on(probe.kept, v[probe.compared], _num_rows(probe.batch[0])) \
+            if before_gradient is not None else None
+        after, (after_gradient,) = _evaluate(model, per_example_loss, probe.batch, training, draw, [weights])
+        moved = _moved(values, after, probe) or _gradient_moved(before_gradient, after_gradient, probe)
+        if moved:
+            layer = _culprit(model, per_example_loss, batch, probe, training, draw, base_weight, weights)
+            _raise_mixing(probe, moved, layer, training)
+
+
+def _weights_on(rows: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
+    weights = np.zeros(size, np.float32)
+    weights[rows] = values
+    return weights
+
+
+def _moved(base: list, after: list, probe: _Probe) -> Optional[str]:
+    """'the output of example j' for the first compared row whose values moved, else None."""
+    for (what, before), (_, now) in zip(base, after):
+        same = _rows_equal(before[probe.compared], now[probe.kept], exact=probe.same_size)
+        if not same.all():
+            return f"the {what} of example {int(probe.compared[np.flatnonzero(~same)[0]])}"
+    return None
+
+
+def _gradient_moved(before: Optional[np.ndarray], after: Optional[np.ndarray], probe: _Probe) -> Optional[str]:
+    """‖g' − g‖ ≤ tol·‖g‖ for g = ∇θ Σ_compared v_j ℓ_j (tolerance: the backward sums rows
+    in another order when B changes, or adds exact zeros); skipped if either is not finite."""
+    if before is None or after is None or not (np.isfinite(before).all() and np.isfinite(after).all()):
+        return None
+    if np.linalg.norm(after - before) <= SIZE_TOLERANCE * np.linalg.norm(before) + 1e-30:
+        return None
+    return f"the gradient of the other examples' losses (rows {_rows_text(probe.compared)})"
+
+
+def _rows_equal(before: np.ndarray, after: np.ndarray, exact: bool) -> np.ndarray:
+    """Per row: all values equal (NaN = NaN), or within the size tolerance of the row's scale."""
+    before, after = before.reshape(len(before), -1), after.reshape(len(after), -1)
+    same = _same(before, after)
+    if exact or not np.issubdtype(before.dtype, np.inexact):
+        return same.all(axis=1)
+    tolerance = max(SIZE_TOLERANCE, 32 * float(np.finfo(before.dtype).eps))
+    b, a = before.astype(np.float64), after.astype(np.float64)
+    finite = np.isfinite(b) & np.isfinite(a)
+    scale = np.max(np.where(finite, np.abs(b), 0.0), axis=1, keepdims=True) if b.size else 0.0
+    close = finite & (np.abs(a - b) <= tolerance * (np.abs(b) + scale))
+    return (same | close).all(axis=1)
+
+
+def _raise_mixing(probe: _Probe, moved: str, layer: Optional[str], training: bool):
+    where = f" The first layer where it happens: {layer}." if layer else ""
+    raise ValueError(
+        f"The model mixes examples: {probe.what} of a batch changed {moved} (training={training}).{where} "
+        "Per-example clipping bounds one example's influence only if each example's output, loss and gradient "
+        "depend on that example alone — not on the other rows nor on how many rows the batch has. Remove or replace "
+        "the layer (or loss) that combines rows of the batch or reads its size — batch statistics "
+        "(BatchNormalization → GroupNormalization/LayerNormalization), x - mean(x, axis=0), tf.shape(x)[0], "
+        "MixUp/CutMix, attention or pooling across the batch axis, tf.roll/gather along it — or make it act on each "
+        "example separately."
+    )
+
+
+# ------------------------------------------------------------ naming the layer
+@contextlib.contextmanager
+def _recording(model, tape):
+    """Records (layer, inputs, output) of every layer call inside ``model``, in completion
+    order; the floating inputs are watched by ``tape`` (so input gradients exist)."""
+    records, patched = [], []
+    for layer in model._flatten_layers(include_self=False):
+        original = layer.call
+
+        def call(*args, __layer=layer, __original=original, **kwargs):
+            inputs = [t for t in tf.nest.flatten((args, kwargs)) if tf.is_tensor(t)]
+            tape.watch([t for t in inputs if t.dtype.is_floating])
+            output = __original(*args, **kwargs)
+            records.append((__layer, inputs, [t for t in tf.nest.flatten(output) if tf.is_tensor(t)]))
+            return output
+
+        patched.append((layer, layer.__dict__.get("call")))
+        object.__setattr__(layer, "call", call)
+    try:
+        yield records
+    finally:
+        for layer, own in patched:
+            if own is None:
+                layer.__dict__.pop("call", None)
+            else:
+                object.__setattr__(layer, "call", own)
+
+
+def _layer_trace(model, per_example_loss, batch, training, draw, weights):
+    """Per layer call: (layer, input values, output values, input gradients, output gradients)
+    of Σ weights_j ℓ_j, rows first (gradients None without a loss)."""
+    x, y = batch
+    with tf.GradientTape(persistent=True) as tape, _recording(model, tape) as records:
+        with keras.StatelessScope(state_mapping=_pinned_state(model, draw)):
+            outputs = model(x, training=training)
+            total = None
+            if weights is not None:
+                total = _weighted_loss(per_example_loss, y, outputs, weights)
+        trace = []
+        for layer, inputs, outs in records:
+            input_grads = output_grads = None
+            if total is not None:
+                input_grads = _gradients(tape, total, inputs)
+                output_grads = _gradients(tape, total, outs)
+            trace.append((layer, [np.asarray(t) for t in inputs], [np.asarray(t) for t in outs], input_grads,
+                          output_grads))
+        del tape
+    return trace
+
+
+def _gradients(tape, total, tensors) -> list:
+    float_tensors = [t if t.dtype.is_floating else None for t in tensors]
+    watched = [t for t in float_tensors if t is not None]
+    grads = iter(tape.gradient(total, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else [])
+    return [None if t is None else np.asarray(next(grads)) for t in float_tensors]
+
+
+def _culprit(model, per_example_loss, batch, probe: _Probe, training, draw, base_weights, weights) -> Optional[str]:
+    """The innermost layer whose compared rows' outputs move while its inputs do not, whose
+    input gradient moves while its output gradient does not, or that sends gradient into a
+    row of weight 0 while none arrives at its output; 'the loss' if only ℓ moves."""
+    try:
+        before = _layer_trace(model, per_example_loss, batch, training, draw, base_weights)
+        after = _layer_trace(model, per_example_loss, probe.batch, training, draw, weights)
+    except Exception:  # noqa: BLE001 - naming the layer is a courtesy; the refusal stands
+        return None
+    suspects = [layer for (layer, *b), (_, *a) in zip(before, after) if _layer_moves(b, a, probe, base_weights)]
+    if suspects:
+        innermost = min(suspects, key=lambda layer: len(list(layer._flatten_layers())))
+        return f"'{innermost.name}' ({type(innermost).__name__})"
+    if before and all(_leaves_match(b[1], a[1], probe) for b, a in zip(before, after)):
+        return "the loss (no layer's output moved)"
+    return None
+
+
+def _layer_moves(before, after, probe: _Probe, base_weights) -> bool:
+    inputs, outputs, input_grads, output_grads = before
+    inputs_after, outputs_after, input_grads_after, output_grads_after = after
+    if _leaves_match(inputs, inputs_after, probe) and not _leaves_match(outputs, outputs_after, probe):
+        return True
+    if input_grads is None or input_grads_after is None:
+        return False
+    if _leaves_match(output_grads, output_grads_after, probe, tolerant=True) and not _leaves_match(
+            input_grads, input_grads_after, probe, tolerant=True):
+        return True
+    if base_weights is not None:  # rows of weight 0 must receive no gradient
+        silent = np.flatnonzero(base_weights == 0)
+        if len(silent) and _all_zero(output_grads, silent) and not _all_zero(input_grads, silent):
+            return True
+    return False
+
+
+def _leaves_match(before: list, after: list, probe: _Probe, tolerant: bool = False) -> bool:
+    """Every leaf with a batch axis agrees on the compared rows (others are skipped)."""
+    rows = _num_rows_or_none
+    for b, a in zip(before, after):
+        if b is None or a is None or rows(b) is None or rows(a) is None:
+            continue
+        if rows(b) <= int(probe.compared.max()) or rows(a) <= int(probe.kept.max()):
+            continue
+        if not _rows_equal(b[probe.compared], a[probe.kept], exact=probe.same_size and not tolerant).all():
+            return False
+    return True
+
+
+def _num_rows_or_none(a: np.ndarray) -> Optional[int]:
+    return int(a.shape[0]) if a.ndim else None
+
+
+def _all_zero(leaves: list, rows: np.ndarray) -> bool:
+    return all(g is None or _num_rows_or_none(g) is None or g.shape[0] <= rows.max() or not np.any(g[rows])
+               for g in leaves)
 
 
 def _first_batch(dataset: tf.data.Dataset):
@@ -113,27 +413,68 @@ def _weakrefable(value) -> bool:
 
 
 def _row_values(model, per_example_loss, batch, training: bool, draw: int = 0) -> list[tuple[str, np.ndarray]]:
-    """(name, values) of every output leaf and of ℓ, batch axis first, from a forward pass
-    under a StatelessScope pinning all model variables to their current values, the seed
-    states shifted by ``draw``: identical randomness for equal ``draw``, no state updated."""
+    """(name, values) of every output leaf and of ℓ, batch axis first (see ``_evaluate``)."""
+    return _evaluate(model, per_example_loss, batch, training, draw, [])[0]
+
+
+def _evaluate(model, per_example_loss, batch, training: bool, draw: int, weightings: list, scopes=None):
+    """One forward pass under a StatelessScope pinning all model variables to their current
+    values, the seed states shifted by ``draw`` (identical randomness for equal ``draw``, no
+    state updated). Returns the (name, values) of every output leaf and of ℓ, and for each
+    weight vector w in ``weightings`` (or None) the flat float64 ∇θ Σ_j w_j ℓ_j (None if an
+    op has no gradient). ``scopes``: a list that receives the StatelessScope (its updates)."""
     x, y = batch
-    with keras.StatelessScope(state_mapping=_pinned_state(model, draw)):
-        outputs = model(x, training=training)
-        values = [("output", np.asarray(o)) for o in tf.nest.flatten(outputs)]
-        if per_example_loss is not None and y is not None:
-            targets = tf.nest.map_structure(tf.convert_to_tensor, y)
-            values.append(("loss", np.asarray(per_example_loss(targets, outputs))))
-    return values
+    with_loss = per_example_loss is not None and y is not None
+    watched = {id(v): tf.convert_to_tensor(v.value) for v in model.trainable_variables} \
+        if with_loss and any(w is not None for w in weightings) else {}
+    mapping = [(v, watched.get(id(v), value)) for v, value in _pinned_state(model, draw)]
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(list(watched.values()))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            outputs = model(x, training=training)
+            values = [("output", np.asarray(o)) for o in tf.nest.flatten(outputs)]
+            totals = [None] * len(weightings)
+            if with_loss:
+                losses = per_example_loss(tf.nest.map_structure(tf.convert_to_tensor, y), outputs)
+                values.append(("loss", np.asarray(losses)))
+                totals = [None if w is None else _weighted_sum(losses, w) for w in weightings]
+    if scopes is not None:
+        scopes.append((scope, mapping))
+    gradients = [None if total is None else _parameter_gradient(tape, total, list(watched.values()))
+                 for total in totals]
+    del tape
+    return values, gradients
 
 
-def _require_no_state_updates(model, batch) -> None:
+def _parameter_gradient(tape, total, parameters: list) -> Optional[np.ndarray]:
+    try:
+        return _flat(tape.gradient(total, parameters, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    except LookupError:  # an op without a registered gradient: values only
+        return None
+
+
+def _weighted_loss(per_example_loss, y, outputs, weights: np.ndarray):
+    return _weighted_sum(per_example_loss(tf.nest.map_structure(tf.convert_to_tensor, y), outputs), weights)
+
+
+def _weighted_sum(losses, weights: np.ndarray):
+    """Σ_j w_j ℓ_j (a loss with more values per example: summed over them)."""
+    losses = tf.cast(losses, tf.float32)
+    losses = tf.reshape(losses, [tf.shape(losses)[0], -1])
+    return tf.reduce_sum(losses * tf.constant(weights, tf.float32)[:, None])
+
+
+def _flat(gradients) -> np.ndarray:
+    dense = [tf.convert_to_tensor(g) for g in gradients]  # an embedding table's IndexedSlices too
+    return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in dense]) if dense else np.zeros(0)
+
+
+def _require_no_state_updates(model, scope_and_mapping) -> None:
     """Refuses non-trainable variables that a training-mode call updates (running means,
     counters, caches): such state is an exact, un-noised function of the private batches,
-    saved with the model and outside ε."""
+    saved with the model and outside ε. ``scope_and_mapping``: the pinned pass's scope."""
+    scope, pinned = scope_and_mapping
     seeds = _seed_states(model)
-    pinned = _pinned_state(model, 0)
-    with keras.StatelessScope(state_mapping=pinned) as scope:
-        model(batch[0], training=True)
     updated = [v.path for v, value in pinned
                if id(v) not in seeds and not v.trainable
                and not np.array_equal(np.asarray(scope.get_current_value(v)), np.asarray(value))]
@@ -154,11 +495,12 @@ def _pinned_state(model, draw: int) -> list:
     return [(v, v.value + tf.cast(draw, v.dtype) if id(v) in seeds else v.value) for v in model.variables]
 
 
-def _reproducible_mode(model, per_example_loss, batch) -> Optional[bool]:
-    """training=True if two identical pinned calls agree bit for bit, else training=False
-    if those agree, else None."""
+def _reproducible_mode(model, per_example_loss, batch, first: list) -> Optional[bool]:
+    """training=True if a second pinned training-mode call agrees bit for bit with ``first``,
+    else training=False if two inference calls agree, else None."""
     for training in (True, False):
-        first = _row_values(model, per_example_loss, batch, training)
+        if training is False:
+            first = _row_values(model, per_example_loss, batch, training)
         second = _row_values(model, per_example_loss, batch, training)
         if all(_same(a, b).all() for (_, a), (_, b) in zip(first, second)):
             return training
@@ -173,13 +515,18 @@ def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return equal
 
 
-def _donor(x, y, k: int, count: int) -> Optional[int]:
-    """The index of the first example (after the guard's rows, then among them) whose x or
-    y differs from example k's; None if every example searched equals it."""
-    row = _take((x, y), np.array([k]))
-    candidates = [*range(GUARD_ROWS, min(count, GUARD_ROWS + DONOR_SEARCH)), *range(min(GUARD_ROWS, count))]
+def _donor(head, k: int, count: int, m: int, offset: int = 0) -> Optional[int]:
+    """The index of an example whose x or y differs from example k's: first among the head
+    rows after W (from a position that varies with k and ``offset``), then among W's rows
+    after k; None if every example equals it."""
+    row = _take(head, np.array([k]))
+    pool = list(range(m, count))
+    if pool:
+        start = (k + 7 * offset) % len(pool)
+        pool = pool[start:] + pool[:start]
+    candidates = pool + [(k + 1 + i) % m for i in range(m - 1)]
     for index in candidates:
-        other = _take((x, y), np.array([index]))
+        other = _take(head, np.array([index]))
         leaves = zip(tf.nest.flatten(row), tf.nest.flatten(other))
         if any(a is not None and not np.array_equal(a, b) for a, b in leaves):
             return index
@@ -195,18 +542,3 @@ def _replace_row(batch, k: int, donor):
         return changed
 
     return tf.nest.map_structure(replace, batch, donor)
-
-
-def _require_same_other_rows(base: list, changed: list, k: int, training: bool) -> None:
-    for (what, before), (_, after) in zip(base, changed):
-        moved = ~_same(before, after).reshape(len(before), -1).all(axis=1)
-        moved[k] = False
-        if moved.any():
-            raise ValueError(
-                f"The model mixes examples: changing example {k} of a batch changed the {what} of example "
-                f"{int(np.flatnonzero(moved)[0])} (training={training}). Per-example clipping bounds one example's "
-                "influence only if each example's output and loss depend on that example alone. Remove or replace "
-                "the layer (or loss) that combines rows of the batch — batch statistics (BatchNormalization → "
-                "GroupNormalization/LayerNormalization), x - mean(x, axis=0), MixUp/CutMix, attention or pooling "
-                "across the batch axis — or make it act on each example separately."
-            )

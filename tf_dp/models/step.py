@@ -28,6 +28,12 @@ class DPTrainStep:
     """``train_step`` of DP models (mixed into DPModelMixin)."""
 
     def train_step(self, data):
+        """One DP step in the graph: clipping, N(0, σ²C²) noise, the ledger record and the
+        in-step budget limit. The host checks run around the train function that ``fit`` and
+        ``train_on_batch`` call (``make_train_function``): a loop of the user's own that calls
+        ``train_step`` directly skips them — the row-independence probe, the phase (ε then
+        refuses), the noise-key guard (after ``load_weights`` of an older file such a loop
+        redraws noise already released) and the error for steps the full ledger refused."""
         if not isinstance(self.optimizer, DPOptimizer):
             raise TypeError("A DPModel trains only with a tf_dp DP optimizer; recompile with one.")
         x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
