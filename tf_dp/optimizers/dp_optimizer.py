@@ -138,6 +138,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.adaptive_clip = adaptive
         self.privatizer = resolve_privatizer(noise)
         self.clipping = resolve_clipping(clipping)
+        self.clipping.check_clip_norm(l2_norm_clip)  # before training: e.g. named thresholds vs C
         with keras.name_scope(self.name, caller=self):
             self._l2_norm_clip = self._dp_variable("l2_norm_clip", initial_clip)
             self._noise_multiplier = self._dp_variable(
@@ -347,7 +348,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 self.build(variables)
         sigma = self.noise_multiplier_tensor() if noise_multiplier is None else noise_multiplier
         bound, key = self._l2_norm_clip.value, self.noise_key()
-        stddev_on_sum = self._gradient_noise_multiplier(sigma) * self.clipping.sensitivity(bound)
+        stddev_on_sum = self._gradient_noise_multiplier(sigma, expected_batch_size) * self.clipping.sensitivity(bound)
         replica, replicas = _replica()
         noisy_sums = transforms.privatize(self.privatizer, clipped_sums, stddev_on_sum, key, dp_step, replica,
                                           replicas)
@@ -358,9 +359,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self._advance_clip_bound(bound, squared_norms, mask, expected_batch_size, key, dp_step, release)
         return self._filter_and_update(gradients, variables, tf.square(noise_stddev), replicas)
 
-    def _gradient_noise_multiplier(self, sigma):
-        """σ, or an adaptive bound's σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) (its count takes the rest)."""
-        return sigma if self.adaptive_clip is None else self.adaptive_clip.gradient_noise_multiplier(sigma)
+    def _gradient_noise_multiplier(self, sigma, expected_batch_size):
+        """σ, or an adaptive bound's σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) (its count takes the rest;
+        σ_b defaults to L/20, docs/algorithms.md §12)."""
+        if self.adaptive_clip is None:
+            return sigma
+        return self.adaptive_clip.gradient_noise_multiplier(sigma, expected_batch_size=expected_batch_size)
 
     def _advance_clip_bound(self, bound, squared_norms, mask, expected_batch_size, key, dp_step, release):
         """C_{t+1} = adaptive.next_bound(C_t, ...) for an adaptive bound (kept on a refused step)."""
