@@ -151,7 +151,7 @@ class _MaxNormBound:
     def next_bound(self, bound, squared_norms, mask, expected_batch_size, key, dp_step):
         return tf.sqrt(tf.reduce_max(tf.where(mask > 0, squared_norms, 0.0)))
 
-    def gradient_noise_multiplier(self, sigma):
+    def gradient_noise_multiplier(self, sigma, expected_batch_size=None):
         return 2.0 * sigma
 
 
