@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tf_dp.sampling.dataset_graph import duplicating_idioms
 from tf_dp.sampling.loader import augmented_spec, poisson_loader
-from tf_dp.sampling.sources import ArraySource, ExampleSource, example_source
+from tf_dp.sampling.sources import ArraySource, ExampleSource
 
 POISSON_KEYS = ("x", "y", "mask", "expected_batch_size")
 
@@ -22,13 +22,6 @@ def is_poisson_batch(data) -> bool:
 
 def num_rows(x) -> int:
     return int(np.shape(tf.nest.flatten(x)[0])[0])
-
-
-def as_arrays(x, y):
-    """(x, y) as numpy structures from arrays or an UNBATCHED tf.data.Dataset of (x, y)
-    (kept for callers that need arrays; fit reads through ``example_source`` instead)."""
-    source = example_source(x, y)
-    return source.read_examples(np.arange(len(source)))
 
 
 def is_batched_dataset(dataset: tf.data.Dataset, model) -> bool:
@@ -226,18 +219,6 @@ def _batched_path(nodes: dict, frontier: list) -> bool:
         if not upstream or not _batched_path(nodes, upstream):
             return False
     return bool(frontier)
-
-
-def gather_rows(array: np.ndarray, indices: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """array[indices] with every padding row (mask = 0) set to zero (empty for strings).
-
-    Padding rows are masked out of the gradient sum, but they still pass through the
-    model's forward pass; a neutral value instead of a copy of a real example means no
-    example can reach other rows through them (e.g. via a layer that mixes rows)."""
-    rows = array[indices]
-    strings = rows.dtype == object or rows.dtype.kind in "US"
-    rows[np.asarray(mask) == 0] = b"" if strings else np.zeros((), rows.dtype)
-    return rows
 
 
 def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_size: Optional[int],
