@@ -362,12 +362,10 @@ class DPFitting:
 
     def _calibrated_noise_multiplier(self, scheme, target: float, planned_steps: int) -> float:
         """The smallest float32 σ whose ε over the planned steps (after the ledger's) is ≤ target."""
-        if scheme.ledger_scheme != "poisson":
-            raise ValueError(f"`target_epsilon` calibration is built for Poisson sampling; {scheme.name!r} sampling "
-                             "needs an explicit noise_multiplier (compute its ε with tf_dp.compute_epsilon).")
         sigma = calibrate_noise_multiplier(
             target, scheme.num_units, scheme.expected_batch_size, steps=max(planned_steps, 1), delta=self._dp["delta"],
-            accountant=self._dp["accountant"], prior_event=self._prior_event(),
+            accountant=self._dp["accountant"], prior_event=self._prior_event(), scheme=scheme.ledger_scheme,
+            parameter=scheme.ledger_parameter,
         )
         print(f"tf_dp: noise_multiplier calibrated to {sigma:.4f} for ε ≤ {target} at δ = {self._dp['delta']:g} "
               f"over {planned_steps} steps ({self._dp['accountant'].upper()}).")
