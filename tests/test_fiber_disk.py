@@ -4,7 +4,6 @@ steps by hand, resume bit for bit, and argument errors."""
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_dp
 from conftest import loop_per_example_gradients, sparse_ce

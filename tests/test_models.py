@@ -1,6 +1,5 @@
 """DPModel end to end: Poisson fit, ledger/accountant agreement, saving, errors."""
 
-import warnings
 
 import keras
 import numpy as np

@@ -17,5 +17,5 @@ from tf_dp._version import __version__  # noqa: E402
 __all__ = [
     "FIBER", "DPAdam", "DPAdamW", "DPModel", "DPOptimizer", "DPSGD", "DiSK", "DPSequential", "PrivacyBudget", "PrivacyReport",
     "accounting", "audit", "calibrate_noise_multiplier", "clipping", "features", "filters", "raco", "compute_epsilon", "make_private", "noise",
-    "fix", "sampling", "validate", "ParameterAveraging",
+    "fix", "sampling", "validate", "ParameterAveraging", "__version__",
 ]
