@@ -11,9 +11,10 @@ unfolding: 71 ms against 49 ms at batch 256 on the tutorial CNN's first layer), 
 patches with explicit
 A_iᵀS_i (tf_dp's route for C_in > 1 within the memory budget) and with float64 Gram-form
 norms (beyond it), both with their rounding bounds (tf_dp/clipping/rounding.py), and the
-float32 Gram form used before (unsafe under cancellation). The ratio to the batch filter gradient bounds what any of them can reach
-inside a DP step on this machine. Run with TF_ENABLE_ONEDNN_OPTS=0 to time the routes
-of CPUs where TensorFlow leaves oneDNN off (the grouped row is then skipped).
+float32 Gram form used before (unsafe under cancellation). The ratio to the batch filter
+gradient bounds what any of them can reach inside a DP step on this machine. Run with
+TF_ENABLE_ONEDNN_OPTS=0 to time the routes of CPUs where TensorFlow leaves oneDNN off (the
+grouped row is then skipped).
 Rounds alternate the routes; medians are reported. Prints a Markdown table, writes JSON.
 """
 

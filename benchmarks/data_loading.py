@@ -364,7 +364,8 @@ def throughput() -> dict:
             add(f"grain MapDataset ({name}), fit's loader: tf.data map + source threads", b,
                 loader(stream_of(RecordSource(dataset), b)))
             for workers in (0, 2):
-                add(f"grain MapDataset ({name}), grain {'mp_prefetch, ' + str(workers) + ' worker processes' if workers else 'in process, 2 threads'}",
+                grain_mode = f"mp_prefetch, {workers} worker processes" if workers else "in process, 2 threads"
+                add(f"grain MapDataset ({name}), grain {grain_mode}",
                     b, lambda d=dataset, b=b, w=workers: Grain.rate(Grain.stream(d, len(d), b, w), steps))
 
     loader_runs = {i: [] for i in range(len(cases))}
@@ -499,7 +500,8 @@ def main(argv):
     if "throughput" in FLAGS.parts:
         result = throughput()
         if set(FLAGS.groups) != {"mnist", "tfds", "cifar", "imagenet", "grain"} and "throughput" in output:
-            kept = [r for r in output["throughput"].get("rows", []) if r["case"] not in {n["case"] for n in result["rows"]}]
+            run_cases = {n["case"] for n in result["rows"]}
+            kept = [r for r in output["throughput"].get("rows", []) if r["case"] not in run_cases]
             result["rows"] = kept + result["rows"]  # groups not run keep their last results
         output["throughput"] = result
     if "memory" in FLAGS.parts:

@@ -349,7 +349,8 @@ class PremiseProbe(keras.callbacks.Callback):
             self.noise = [np.zeros(size) for _ in range(3)]  # g̃, r, v of the noise-only companion
         self.step += 1
         filtered, residual, velocity = self.noise
-        residual = (1 - self.omega) * residual + self.omega * (self.rng.normal(0, self.sigma_w, filtered.size) - filtered)
+        residual = (1 - self.omega) * residual + self.omega * (
+            self.rng.normal(0, self.sigma_w, filtered.size) - filtered)
         filtered = filtered + residual
         velocity = self.beta_2 * velocity + (1 - self.beta_2) * filtered**2
         self.noise = [filtered, residual, velocity]
@@ -451,7 +452,8 @@ def markdown(records, keys: dict) -> str:
 
 def chosen_configs(records, keys: dict) -> str:
     """The validation argmax per optimizer and ε, with its validation accuracy and the spread."""
-    lines = ["| optimizer | ε | validation acc. (best / median of the grid) | chosen configuration |", "|---|---|---|---|"]
+    lines = ["| optimizer | ε | validation acc. (best / median of the grid) | chosen configuration |",
+             "|---|---|---|---|"]
     groups = {}
     for r in matching(records, kind="tune", **keys):
         groups.setdefault((r["optimizer"], r["epsilon"]), []).append(r)
@@ -468,9 +470,11 @@ def diagnostics(records, keys: dict) -> str:
              "median v̂ / A_tσ_w² | share of coordinates at the floor |", "|---|---|---|---|---|---|---|---|"]
     for r in matching(records, kind="diagnostic", **keys):
         for row in r["probe"]:
-            lines.append(f"| {r['epsilon']:g} | {row['step']} | {row['A_t']:.3f} | {row['v_hat_median_over_target']:.3f} | "
+            lines.append(f"| {r['epsilon']:g} | {row['step']} | {row['A_t']:.3f} | "
+                         f"{row['v_hat_median_over_target']:.3f} | "
                          f"{row['v_hat_p90_over_target']:.3f} | {row['g_tilde_sq_mean_over_target']:.3f} | "
-                         f"{row['noise_only_filtered_var_over_target']:.3f}, {row['noise_only_v_hat_median_over_target']:.3f} | "
+                         f"{row['noise_only_filtered_var_over_target']:.3f}, "
+                         f"{row['noise_only_v_hat_median_over_target']:.3f} | "
                          f"{100 * row['share_at_floor']:.1f} % |")
     return "\n".join(lines)
 
@@ -490,15 +494,18 @@ def untuned(records, keys: dict) -> str:
     """Validation accuracy of the untuned first tries (DEFAULT_TRIES) by ε."""
     runs = matching(records, kind="defaults", **keys)
     epsilons = sorted({r["epsilon"] for r in runs})
-    lines = ["| optimizer, try | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |", "|---|" + "---|" * len(epsilons)]
+    lines = ["| optimizer, try | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |",
+             "|---|" + "---|" * len(epsilons)]
     for name, label in sorted({(r["optimizer"], r["try"]) for r in runs}):
-        cells = {r["epsilon"]: f"{100 * r['accuracy']:.1f}" for r in runs if (r["optimizer"], r["try"]) == (name, label)}
+        cells = {r["epsilon"]: f"{100 * r['accuracy']:.1f}"
+                 for r in runs if (r["optimizer"], r["try"]) == (name, label)}
         lines.append(f"| {name}, {label} | " + " | ".join(cells.get(e, "–") for e in epsilons) + " |")
     return "\n".join(lines)
 
 
 # The seed's claims as paired comparisons (same seed: same initialization, batches and noise stream).
-CLAIM_PAIRS = [("fiber", "disk"), ("disk", "dpadamw"), ("fiber", "dpadamw"), ("dpadambc", "dpadamw"), ("fiber", "dpsgd"),
+CLAIM_PAIRS = [("fiber", "disk"), ("disk", "dpadamw"), ("fiber", "dpadamw"), ("dpadambc", "dpadamw"),
+               ("fiber", "dpsgd"),
                ("fiber", "ablation:ema_filter"), ("fiber", "ablation:coupled_gain"),
                ("fiber", "ablation:full_correction"), ("fiber", "ablation:stationary_correction")]
 
@@ -513,7 +520,8 @@ def paired(records, keys: dict) -> str:
         for epsilon in epsilons:
             seeds = sorted(s for (n, e, s) in runs if n == first and e == epsilon and (second, epsilon, s) in runs)
             deltas = [100 * (runs[first, epsilon, s] - runs[second, epsilon, s]) for s in seeds]
-            cells.append(f"{statistics.mean(deltas):+.2f} ({sum(d > 0 for d in deltas)}/{len(deltas)})" if deltas else "–")
+            cells.append(f"{statistics.mean(deltas):+.2f} ({sum(d > 0 for d in deltas)}/{len(deltas)})"
+                         if deltas else "–")
         if any(cell != "–" for cell in cells):
             lines.append(f"| {first} − {second} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -526,7 +534,8 @@ def report(records, keys: dict) -> str:
 
 # Seeds are public and fixed (seed s sets the initial weights, the noise key and the Poisson batches), for
 # reproducible paired comparisons: said in the output, since such runs' ε is no guarantee for their weights.
-FIXED_SEEDS_NOTE = ("note: fixed public seeds (seed s fixes the initial weights, the noise key and the Poisson batches) "
+FIXED_SEEDS_NOTE = ("note: fixed public seeds (seed s fixes the initial weights, the noise key and the "
+                    "Poisson batches) "
                     "for reproducible paired comparisons: the accuracies are of fixed-seed runs, whose epsilon is "
                     "that of the procedure, not a privacy guarantee for these weights (anyone can regenerate the "
                     "noise). Private training: leave the seeds None (examples/_seeds.py).")

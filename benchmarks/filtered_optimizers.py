@@ -125,7 +125,8 @@ def tune(dataset, split, optimizer_name, epsilon):
 
 # Seeds are public and fixed (seed s sets the initial weights, the noise key and the Poisson batches), for
 # reproducible paired comparisons: said in the output, since such runs' ε is no guarantee for their weights.
-FIXED_SEEDS_NOTE = ("note: fixed public seeds (seed s fixes the initial weights, the noise key and the Poisson batches) "
+FIXED_SEEDS_NOTE = ("note: fixed public seeds (seed s fixes the initial weights, the noise key and the "
+                    "Poisson batches) "
                     "for reproducible paired comparisons: the accuracies are of fixed-seed runs, whose epsilon is "
                     "that of the procedure, not a privacy guarantee for these weights (anyone can regenerate the "
                     "noise). Private training: leave the seeds None (examples/_seeds.py).")
@@ -148,7 +149,8 @@ def main(argv):
                 record = {
                     "dataset": dataset, "optimizer": name, "epsilon": epsilon, "learning_rate": learning_rate,
                     "tuning": {str(k): v for k, v in scores.items()}, "accuracy_mean": statistics.mean(accuracies),
-                    "accuracy_std": statistics.pstdev(accuracies), "ms_per_step": statistics.median(r["ms_per_step"] for r in runs),
+                    "accuracy_std": statistics.pstdev(accuracies),
+                    "ms_per_step": statistics.median(r["ms_per_step"] for r in runs),
                     "epsilon_reported": max(r["epsilon"] for r in runs), "sigma": runs[0]["sigma"],
                 }
                 results["runs"].append(record)
@@ -168,12 +170,14 @@ def markdown(results) -> str:
         for epsilon in sorted({r["epsilon"] for r in runs}):
             cells = []
             for name in FLAGS.optimizers:
-                r = next((r for r in runs if (r["dataset"], r["optimizer"], r["epsilon"]) == (dataset, name, epsilon)), None)
+                r = next((r for r in runs if (r["dataset"], r["optimizer"], r["epsilon"]) == (dataset, name, epsilon)),
+                         None)
                 cells.append("–" if r is None else f"{100 * r['accuracy_mean']:.2f} ± {100 * r['accuracy_std']:.2f}")
             lines.append(f"| {dataset} | {epsilon:g} | " + " | ".join(cells) + " |")
     lines += ["", "| dataset | " + " | ".join(FLAGS.optimizers) + " |", "|---|" + "---|" * len(FLAGS.optimizers)]
     for dataset in FLAGS.datasets:
-        base = statistics.median(r["ms_per_step"] for r in runs if r["dataset"] == dataset and r["optimizer"] == "dpadamw") \
+        base = statistics.median(r["ms_per_step"] for r in runs
+                                 if r["dataset"] == dataset and r["optimizer"] == "dpadamw") \
             if any(r["optimizer"] == "dpadamw" and r["dataset"] == dataset for r in runs) else None
         cells = []
         for name in FLAGS.optimizers:

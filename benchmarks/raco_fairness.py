@@ -402,7 +402,8 @@ def write_outputs(path_stem: str, started: float, cpu_started: float, sizes, pla
 
 # Seeds are public and fixed (seed s sets the initial weights, the noise key and the Poisson batches), for
 # reproducible paired comparisons: said in the output, since such runs' ε is no guarantee for their weights.
-FIXED_SEEDS_NOTE = ("note: fixed public seeds (seed s fixes the initial weights, the noise key and the Poisson batches) "
+FIXED_SEEDS_NOTE = ("note: fixed public seeds (seed s fixes the initial weights, the noise key and the "
+                    "Poisson batches) "
                     "for reproducible paired comparisons: the accuracies are of fixed-seed runs, whose epsilon is "
                     "that of the procedure, not a privacy guarantee for these weights (anyone can regenerate the "
                     "noise). Private training: leave the seeds None (examples/_seeds.py).")

@@ -90,8 +90,9 @@ class NoiseFloorModel(keras.Model):
             loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True), training=True)
         grads = tape.gradient(loss, self.trainable_variables)
         step = tf.cast(self.optimizer.iterations, tf.int64)
-        grads = [g + 0.01 * tf.random.stateless_normal(tf.shape(g), seed=tf.stack([tf.constant(7, tf.int64), step * 64 + i]),
-                                                       alg="philox") for i, g in enumerate(grads)]
+        grads = [g + 0.01 * tf.random.stateless_normal(
+                     tf.shape(g), seed=tf.stack([tf.constant(7, tf.int64), step * 64 + i]), alg="philox")
+                 for i, g in enumerate(grads)]
         self.optimizer.apply(grads, self.trainable_variables)
         return {}
 
@@ -152,7 +153,8 @@ def main(argv):
             for engine in FLAGS.engines:
                 r = measure(name, builders[name], jit == "true", engine)
                 results.append(r)
-                print(f"| {r['model']} | {r['jit_compile']} | {r['engine']} | {r['plain_ms']:.1f} | {r['floor_ms']:.1f} | "
+                print(f"| {r['model']} | {r['jit_compile']} | {r['engine']} | {r['plain_ms']:.1f} | "
+                      f"{r['floor_ms']:.1f} | "
                       f"{r['dp_ms']:.1f} | {r['ratio']:.2f}x | {r['ratio_to_floor']:.2f}x | {r['fiber_ms']:.1f} | "
                       f"{r['fiber_ratio']:.2f}x |", flush=True)
     os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)

@@ -116,7 +116,8 @@ def model_and_inputs(data, x_train):
     print(f"scattering features (J = 2, L = 8) of the {len(x_train)} training and {len(data.x_test)} test images:")
     train = tf_dp.features.scattering_features(x_train, progress=True)
     test = tf_dp.features.scattering_features(data.x_test, progress=True)
-    print(f"scattering features of {len(train) + len(test)} images: {train.shape[1:]} each, {time.time() - start:.0f} s")
+    print(f"scattering features of {len(train) + len(test)} images: {train.shape[1:]} each, "
+          f"{time.time() - start:.0f} s")
     return scatternet_cnn(FLAGS.activation), train, test
 
 

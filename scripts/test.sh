@@ -12,6 +12,9 @@ tier=()
 if [ "${1:-}" = "--fast" ]; then tier=(-m "not slow"); shift; fi
 bash scripts/install.sh --tests
 processes="${TF_DP_TEST_PROCESSES:-2}"
+# Lint first (ruff, config in pyproject.toml; `set -e` stops the script on findings).
+echo "test.sh: lint (ruff)"
+ruff check tf_dp tests examples benchmarks tools
 # Two processes, one test file each at a time (module fixtures stay in one process): most of a
 # test is single-threaded tracing, so two files overlap well on 2 cores. The summary line gives
 # the counts; --durations lists the slowest tests.

@@ -30,7 +30,8 @@ results = {"worker": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
 def build(units=3, features=4, zeros=False):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((features,))
-    return tf_dp.DPModel(inputs, keras.layers.Dense(units, kernel_initializer="zeros" if zeros else "glorot_uniform")(inputs))
+    initializer = "zeros" if zeros else "glorot_uniform"
+    return tf_dp.DPModel(inputs, keras.layers.Dense(units, kernel_initializer=initializer)(inputs))
 
 
 def compiled(make_optimizer, under_strategy, **model_args):
@@ -72,7 +73,8 @@ for name, make in {"sgd": lambda: tf_dp.DPSGD(0.1, l2_norm_clip=0.5, noise_multi
 
 # σ > 0: one step from zero weights on zero inputs; the update is pure noise, std σC/L.
 units, sigma, clip = 20000, 1.3, 0.7
-noisy = compiled(lambda: tf_dp.DPSGD(1.0, l2_norm_clip=clip, noise_multiplier=sigma), True, units=units, features=1, zeros=True)
+noisy = compiled(lambda: tf_dp.DPSGD(1.0, l2_norm_clip=clip, noise_multiplier=sigma), True,
+                 units=units, features=1, zeros=True)
 noisy.fit(np.zeros((64, 1), "float32"), np.zeros((64, units), "float32"), batch_size=8, epochs=1, steps_per_epoch=1,
           verbose=0)
 step = noisy.get_weights()[1]

@@ -2,7 +2,6 @@
 
 import math
 
-import numpy as np
 import pytest
 
 from tf_dp.accounting import PrivacyLedger, calibrate_noise_multiplier, compute_epsilon, steps_for

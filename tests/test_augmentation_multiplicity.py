@@ -89,7 +89,8 @@ def test_one_view_is_todays_step_bit_for_bit():
     x = x[:, 0]
     today, explicit = cnn(), cnn()
     today.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=3, sampling_seed=2, verbose=0)
-    explicit.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=3, sampling_seed=2, verbose=0, augmentation_multiplicity=1)
+    explicit.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=3, sampling_seed=2, verbose=0,
+                 augmentation_multiplicity=1)
     for a, b in zip(today.get_weights(), explicit.get_weights()):
         np.testing.assert_array_equal(a, b)
     model = cnn()

@@ -150,7 +150,8 @@ def conv_model():
     inputs = keras.Input((9, 9, 2))
     hidden = keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="relu")(inputs)
     hidden = keras.layers.Conv2D(4, 2, padding="valid", dilation_rate=1)(hidden)
-    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden))), np.random.randn(BATCH, 9, 9, 2).astype("float32")
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden)))
+    return model, np.random.randn(BATCH, 9, 9, 2).astype("float32")
 
 
 def single_channel_conv_model():
@@ -233,7 +234,8 @@ def conv1d_model():
     inputs = keras.Input((10, 3))
     hidden = keras.layers.Conv1D(4, 3, strides=2, padding="same", activation="tanh")(inputs)
     hidden = keras.layers.Conv1D(2, 2, dilation_rate=2, use_bias=False)(hidden)
-    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden))), np.random.randn(BATCH, 10, 3).astype("float32")
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden)))
+    return model, np.random.randn(BATCH, 10, 3).astype("float32")
 
 
 def grouped_conv_model():
@@ -242,7 +244,8 @@ def grouped_conv_model():
     hidden = keras.layers.Conv2D(6, 3, groups=2, padding="same", activation="tanh")(inputs)
     hidden = keras.layers.Conv2D(4, 2, strides=2, groups=2, use_bias=False)(hidden)
     line = keras.layers.Conv1D(4, 3, groups=4)(keras.layers.Reshape((9, 4))(hidden))
-    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(line))), np.random.randn(BATCH, 7, 7, 4).astype("float32")
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(line)))
+    return model, np.random.randn(BATCH, 7, 7, 4).astype("float32")
 
 
 def test_without_grouped_kernel_every_conv_takes_the_unfolded_route(monkeypatch):
@@ -372,7 +375,8 @@ def test_frozen_weights_do_not_enter_per_example_norms(freeze):
     y = np.random.randint(0, 3, BATCH).astype("int32")
     loop = flat_norms(loop_per_example_gradients(model, x, y))
     for engine in ("ghost", "vectorized"):
-        result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(BATCH), 1e9, engine=engine)
+        result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(BATCH), 1e9,
+                                      engine=engine)
         assert_norms_close(result.squared_norms.numpy(), loop)
 
 

@@ -101,7 +101,8 @@ def lora_dense(rng, steps=3, width=6, out=5):
 def _patches(images, size):
     """[P, T, size·size·C] valid stride-1 patches, in the kernel's (kh, kw, C) order."""
     p, h, w, c = images.shape
-    rows = [images[:, i:i + size, j:j + size, :].reshape(p, -1) for i in range(h - size + 1) for j in range(w - size + 1)]
+    rows = [images[:, i:i + size, j:j + size, :].reshape(p, -1)
+            for i in range(h - size + 1) for j in range(w - size + 1)]
     return np.stack(rows, axis=1)
 
 

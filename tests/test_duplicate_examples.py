@@ -54,7 +54,8 @@ DUPLICATING = {
     "repeat.bucket_by_sequence_length": (lambda: rows().repeat().bucket_by_sequence_length(
         lambda a, b: tf.constant(1), [5], [2 * N, 2 * N]), r"repeat\(\)"),
     "batch.repeat.unbatch.batch": (lambda: rows().batch(8).repeat(3).unbatch().batch(2 * N), r"repeat\(3\)"),
-    "zip(skip)": (lambda: tf.data.Dataset.zip((rows().map(lambda a, b: a), rows().skip(1).map(lambda a, b: b))).batch(L),
+    "zip(skip)": (lambda: tf.data.Dataset.zip((rows().map(lambda a, b: a),
+                                                rows().skip(1).map(lambda a, b: b))).batch(L),
                   "zip"),
     # A one-to-many map before unbatch, datasets built from tensors inside a flat_map, and a batch of repeated
     # batches (an attacker's review found these accepted):

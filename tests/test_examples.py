@@ -16,7 +16,8 @@ def test_mnist_dpsgd_example_prints_epsilon_and_accuracy(dataset, features):
     command = [
         sys.executable, str(ROOT / "examples" / "mnist_dpsgd.py"), f"--dataset={dataset}", f"--features={features}",
         "--epochs=1",
-        "--train_examples=3000", "--batch_size=100", "--learning_rate=0.5", "--noise_multiplier=1.0", "--ema_momentum=0.9",
+        "--train_examples=3000", "--batch_size=100", "--learning_rate=0.5", "--noise_multiplier=1.0",
+        "--ema_momentum=0.9",
     ]  # the recipe's averaging (β = 0.997) would still be mostly the initial weights after 30 steps
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -4,7 +4,6 @@ steps by hand, resume bit for bit, and argument errors."""
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_dp
 from conftest import loop_per_example_gradients, sparse_ce
@@ -99,7 +98,8 @@ def test_disk_two_point_steps_match_hand_computation():
     kappa, gamma, lr = 0.6, 0.5, 0.1
     c = (1 - kappa) / (kappa * gamma)
     model = _model(0)
-    model.compile(optimizer=tf_dp.DiSK(lr, kappa=kappa, gamma=gamma, base="sgd", l2_norm_clip=1e9, noise_multiplier=0.0),
+    model.compile(optimizer=tf_dp.DiSK(lr, kappa=kappa, gamma=gamma, base="sgd", l2_norm_clip=1e9,
+                                       noise_multiplier=0.0),
                   loss=sparse_ce)
     reference = _model(0)
     (x1, y1), (x2, y2) = _batches(2)

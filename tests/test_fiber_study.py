@@ -44,7 +44,8 @@ def test_quick_run_covers_every_optimizer_and_epsilon_and_tests_the_validation_a
     output = tmp_path / "study.jsonl"
     optimizers = ["dpadamw", "fiber"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--stage=all", f"--optimizers={','.join(optimizers)}", "--ablations=ema_filter",
+    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--stage=all", f"--optimizers={','.join(optimizers)}",
+                    "--ablations=ema_filter",
                     f"--output={output}"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=3000)
     records = [json.loads(line) for line in output.read_text().splitlines()]
     tests = [r for r in records if r["kind"] == "test" and not r["optimizer"].startswith("ablation")]

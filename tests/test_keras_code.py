@@ -224,7 +224,8 @@ def test_saving_a_dp_model_to_h5_is_refused_with_the_keras_fix(tmp_path):
     for save in (model.save, lambda path: keras.saving.save_model(model, path)):
         with pytest.raises(ValueError, match=r"\.h5 format cannot carry the privacy ledger.*\.keras"):
             save(str(tmp_path / "best_model.h5"))
-    assert not (tmp_path / "best_model.h5").exists() or "model_config" not in h5py.File(tmp_path / "best_model.h5").attrs
+    best = tmp_path / "best_model.h5"
+    assert not best.exists() or "model_config" not in h5py.File(best).attrs
 
 
 def test_an_h5_checkpoint_is_refused_before_training_and_a_keras_one_carries_the_ledger(tmp_path):

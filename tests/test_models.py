@@ -1,6 +1,5 @@
 """DPModel end to end: Poisson fit, ledger/accountant agreement, saving, errors."""
 
-import warnings
 
 import keras
 import numpy as np
@@ -25,8 +24,8 @@ def functional(sigma=1.0, seed=0, learning_rate=0.2, **compile_kwargs):
     inputs = keras.Input((FEATURES,))
     hidden = keras.layers.Dense(8, activation="relu")(inputs)
     model = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES)(hidden))
-    model.compile(optimizer=tf_dp.DPSGD(learning_rate, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed), loss=sparse_ce,
-                  metrics=["accuracy"], **compile_kwargs)
+    model.compile(optimizer=tf_dp.DPSGD(learning_rate, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed),
+                  loss=sparse_ce, metrics=["accuracy"], **compile_kwargs)
     return model
 
 
@@ -237,7 +236,8 @@ def test_secure_mode_refuses_seeds_and_draws_unreproducible_noise():
         weights.append(model.get_weights()[0])
     assert not np.allclose(weights[0], weights[1])
     with pytest.raises(ValueError, match="XLA"):
-        model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, secure_mode=True), loss=sparse_ce, jit_compile=True)
+        model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, secure_mode=True), loss=sparse_ce,
+                      jit_compile=True)
     model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, secure_mode=True), loss=sparse_ce)
     with pytest.raises(ValueError, match="sampling_seed"):
         model.fit(x, y, batch_size=20, epochs=1, verbose=0, sampling_seed=3)
@@ -289,7 +289,8 @@ def test_mixed_bfloat16_clips_in_float32_and_float16_is_refused():
             assert all(np.isfinite(w).all() for w in model.get_weights())
             if policy == "mixed_bfloat16":  # an output layer left in bfloat16 (bfloat16 logits and losses)
                 low = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES)(inputs))
-                low.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, seed=0), loss=sparse_ce, metrics=["accuracy"])
+                low.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0, seed=0), loss=sparse_ce,
+                            metrics=["accuracy"])
                 history = low.fit(x, y, batch_size=20, epochs=1, verbose=0)
                 assert np.isfinite(history.history["loss"][-1])
         finally:

@@ -104,7 +104,8 @@ def test_poisson_step_divides_by_expected_not_realized_batch_size():
     batch = {"x": x[None], "y": y[None], "mask": mask[None], "expected_batch_size": np.array([10.0], "float32")}
     model.train_step(tf.nest.map_structure(tf.constant, batch))
     for v, (after, start) in enumerate(zip(weights(model), before)):
-        np.testing.assert_allclose(after, start - lr * sum(per_example[i][v] for i in range(3)) / 10, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(after, start - lr * sum(per_example[i][v] for i in range(3)) / 10,
+                                   rtol=1e-5, atol=1e-7)
 
 
 def test_dp_optimizer_on_plain_keras_model_raises():
@@ -211,7 +212,8 @@ def test_accumulated_chunks_equal_one_pass_on_the_same_batch():
         batch = {"x": x.reshape(chunks, -1, 4), "y": y.reshape(chunks, -1), "mask": mask.reshape(chunks, -1),
                  "expected_batch_size": np.full(chunks, 10.0, "float32")}
         tf.function(model.train_step)(tf.nest.map_structure(tf.constant, batch))
-        results.append((weights(model), int(model.privacy_ledger.steps.numpy()), int(model.optimizer.iterations.numpy())))
+        results.append((weights(model), int(model.privacy_ledger.steps.numpy()),
+                        int(model.optimizer.iterations.numpy())))
     (single, steps_1, iters_1), (accumulated, steps_3, iters_3) = results
     for a, b in zip(single, accumulated):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -66,7 +66,8 @@ def test_budget_holds_across_a_resume_with_another_batch_size(tmp_path, first_ba
         return [budget, backup, *more] if budget_before_backup else [backup, budget, *more]
 
     with pytest.raises(RuntimeError, match="interrupted"):
-        fresh_model().fit(x, y, batch_size=first_batch, epochs=50, verbose=0, callbacks=callbacks(InterruptAt(interrupt_at)))
+        fresh_model().fit(x, y, batch_size=first_batch, epochs=50, verbose=0,
+                          callbacks=callbacks(InterruptAt(interrupt_at)))
     model = fresh_model()
     model.fit(x, y, batch_size=resumed_batch, epochs=50, verbose=0, callbacks=callbacks())
 

@@ -343,11 +343,13 @@ def test_make_private_twice_continues_one_ledger():
     base = keras.Model(inputs, keras.layers.Dense(CLASSES)(inputs))
     x, y = data()
     first = tf_dp.make_private(base)
-    first.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    first.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0),
+                   loss=keras.losses.SparseCategoricalCrossentropy(True))
     first.fit(x, y, batch_size=20, epochs=1, verbose=0)
     second = tf_dp.make_private(base)
     assert second.privacy_ledger is first.privacy_ledger
-    second.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    second.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0),
+                    loss=keras.losses.SparseCategoricalCrossentropy(True))
     second.fit(x, y, batch_size=20, epochs=1, verbose=0)
     assert int(second.privacy_ledger.steps.numpy()) == 20
 
@@ -379,7 +381,8 @@ def test_a_layer_updating_state_from_the_batch_is_refused():
     x, y = data()
     inputs = keras.Input((FEATURES,))
     model = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES)(RunningMean()(inputs)))
-    model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0),
+                   loss=keras.losses.SparseCategoricalCrossentropy(True))
     with pytest.raises(ValueError, match="non-trainable state"):
         model.fit(x, y, batch_size=20, epochs=1, verbose=0)
 

@@ -33,7 +33,8 @@ def test_histogram_laplace_noise_has_the_stated_scale():
     layer = NoisyHistogram(num_partitions=100, noise_scale=2.5)
     zeros_p = np.tile([[1.0, 0.0]], (1, 1)).astype("float32")
     noise = np.concatenate([
-        (layer(zeros_p, np.array([0], "int32"), training=True, seed=tf.constant(7, tf.int64), step=tf.constant(s, tf.int64))
+        (layer(zeros_p, np.array([0], "int32"), training=True, seed=tf.constant(7, tf.int64),
+               step=tf.constant(s, tf.int64))
          .numpy() - layer.counts(zeros_p, np.array([0], "int32")).numpy()).ravel()
         for s in range(100)
     ])
@@ -94,7 +95,8 @@ def _train(x, y, z, max_gap, sigma=0.0, histogram_noise=1e-6, epochs=8, **compil
     inputs = keras.Input(x.shape[1:])
     model = RateConstrainedModel(inputs, keras.layers.Dense(2, activation="softmax")(inputs))
     model.compile(optimizer=tf_dp.DPSGD(0.5, l2_norm_clip=100.0, noise_multiplier=sigma, seed=0),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"], constraints=[DemographicParity(max_gap)],
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                  constraints=[DemographicParity(max_gap)],
                   num_groups=2, histogram_noise=histogram_noise, dual_learning_rate=1.0, **compile_kwargs)
     history = model.fit(x, y, groups=z, batch_size=500, epochs=epochs, verbose=0, sampling_seed=0)
     p = model.predict(x, verbose=0)[:, 1]

@@ -131,7 +131,10 @@ def test_closed_form_cdfs_match_quadrature(sigma, scale):
 
     def cdf_by_quadrature(z):  # Z = G + U under Q, G ~ N(−μ, s²), U atoms + density on (−b, b)
         atoms = 0.5 * stats.norm.cdf((z + mu + b) / s) + 0.5 * math.exp(-b) * stats.norm.cdf((z + mu - b) / s)
-        density = lambda u: 0.25 * math.exp(-(u + b) / 2) * stats.norm.cdf((z + mu - u) / s)
+
+        def density(u):
+            return 0.25 * math.exp(-(u + b) / 2) * stats.norm.cdf((z + mu - u) / s)
+
         return atoms + integrate.quad(density, -b, b, epsabs=1e-15, epsrel=1e-13, limit=200)[0]
 
     zs = np.linspace(-mu - b - 6 * s, mu + b + 6 * s, 15)

@@ -1,6 +1,5 @@
 """A run killed with SIGKILL and resumed reports ε of every step taken."""
 
-import os
 import pathlib
 import signal
 import subprocess

@@ -235,7 +235,8 @@ def test_tfrecord_shards_get_a_byte_offset_index_then_random_access(tmp_path):
 def test_batch_of_step_t_and_restart_hold_for_sources():
     x, y = data()
     source = RecordSource(CountingSource(x, y))
-    first = [e["y"] for e in poisson_dataset(None, None, N, 24, None, seed=3, source=source).take(4).as_numpy_iterator()]
+    first = [e["y"] for e in
+             poisson_dataset(None, None, N, 24, None, seed=3, source=source).take(4).as_numpy_iterator()]
     resumed = poisson_dataset(None, None, N, 24, None, seed=3, source=source, first_step=lambda: 2)
     for a, b in zip(first[2:], resumed.take(2).as_numpy_iterator()):
         np.testing.assert_array_equal(a, b["y"])

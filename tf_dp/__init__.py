@@ -15,7 +15,9 @@ from tf_dp.optimizers import FIBER, DiSK, DPAdam, DPAdamW, DPOptimizer, DPSGD
 from tf_dp._version import __version__  # noqa: E402
 
 __all__ = [
-    "FIBER", "DPAdam", "DPAdamW", "DPModel", "DPOptimizer", "DPSGD", "DiSK", "DPSequential", "PrivacyBudget", "PrivacyReport",
-    "accounting", "audit", "calibrate_noise_multiplier", "clipping", "features", "filters", "raco", "compute_epsilon", "make_private", "noise",
-    "fix", "sampling", "validate", "ParameterAveraging",
+    "FIBER", "DPAdam", "DPAdamW", "DPModel", "DPOptimizer", "DPSGD", "DiSK", "DPSequential", "PrivacyBudget",
+    "PrivacyReport",
+    "accounting", "audit", "calibrate_noise_multiplier", "clipping", "features", "filters", "raco", "compute_epsilon",
+    "make_private", "noise",
+    "fix", "sampling", "validate", "ParameterAveraging", "__version__",
 ]

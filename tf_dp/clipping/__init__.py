@@ -21,6 +21,7 @@ from tf_dp.clipping.registry import Contribution, GhostRule, Recording, ghost_ru
 
 __all__ = [
     "AdaptiveClip", "ClippingPolicy", "FlatClip", "Normalized", "PerLayer", "register_clipping", "resolve_clipping",
-    "CURRENT_WEIGHTS", "ENGINES", "ClippedBatch", "EvaluationPoint", "forward", "Contribution", "GhostRule", "Recording", "clip_factors",
-    "clipped_gradient_sum", "ghost_rule_for", "per_example_gradient_norms", "per_example_gradients", "register_ghost_rule",
+    "CURRENT_WEIGHTS", "ENGINES", "ClippedBatch", "EvaluationPoint", "forward", "Contribution", "GhostRule",
+    "Recording", "clip_factors", "clipped_gradient_sum", "ghost_rule_for", "per_example_gradient_norms",
+    "per_example_gradients", "register_ghost_rule",
 ]

@@ -187,7 +187,8 @@ class DenseRule(GhostRule):
     def applies_to(self, layer) -> bool:
         return (
             getattr(layer, "quantization_mode", None) is None
-            and (lora_enabled(layer) or getattr(getattr(layer, "_kernel", None), "trainable", True))  # frozen W₀ out of norms
+            # frozen W₀ out of norms
+            and (lora_enabled(layer) or getattr(getattr(layer, "_kernel", None), "trainable", True))
         )
 
     def variables(self, layer):

@@ -96,7 +96,8 @@ class GeneralEinsumContribution(MaterializedContribution):
         out_axes = layer.equation.replace(" ", "").split("->")[1]
         kernel, bias = 0.0, 0.0
         for recording, grad in zip(recordings, grads):
-            x = _with_ellipsis_axes(layer.equation, tf.cast(recording.inputs, tf.float32), len(x_axes.replace("...", "")))
+            x = _with_ellipsis_axes(layer.equation, tf.cast(recording.inputs, tf.float32),
+                                    len(x_axes.replace("...", "")))
             s = tf.cast(grad, tf.float32)
             kernel += tf.einsum(equation, x, _with_ellipsis_axes(layer.equation, s, len(out_axes.replace("...", ""))))
             if has_bias:

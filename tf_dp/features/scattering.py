@@ -47,7 +47,8 @@ def gabor(shape: tuple[int, int], sigma: float, theta: float, xi: float, slant: 
     for shift_x in PERIODS:
         for shift_y in PERIODS:
             xx, yy = np.mgrid[shift_x * rows:(shift_x + 1) * rows, shift_y * cols:(shift_y + 1) * cols]
-            quadratic = curvature[0, 0] * xx**2 + (curvature[0, 1] + curvature[1, 0]) * xx * yy + curvature[1, 1] * yy**2
+            quadratic = (curvature[0, 0] * xx**2 + (curvature[0, 1] + curvature[1, 0]) * xx * yy
+                         + curvature[1, 1] * yy**2)
             total += np.exp(-quadratic + 1j * xi * (xx * math.cos(theta) + yy * math.sin(theta)))
     return total / (2 * 3.1415 * sigma**2 / slant)  # Kymatio's constant, kept so the features match
 

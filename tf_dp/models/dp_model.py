@@ -185,8 +185,10 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
                              "use jit_compile=False.")
         # Keras applies sample weights only to `weighted_metrics`; the 0/1 padding mask of
         # Poisson chunks is such a weight, so every metric is made a weighted one.
-        weighted = list(tf.nest.flatten(metrics or [])) + list(tf.nest.flatten(kwargs.pop("weighted_metrics", None) or []))
-        super().compile(optimizer=optimizer, loss=loss, weighted_metrics=weighted or None, jit_compile=jit_compile, **kwargs)
+        weighted = (list(tf.nest.flatten(metrics or []))
+                    + list(tf.nest.flatten(kwargs.pop("weighted_metrics", None) or [])))
+        super().compile(optimizer=optimizer, loss=loss, weighted_metrics=weighted or None, jit_compile=jit_compile,
+                        **kwargs)
 
 
 _LAYER_LEDGERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> the ledger that trains it
@@ -291,7 +293,8 @@ def functional_variant(cls: type, name: Optional[str] = None) -> type:
     if cls not in _FUNCTIONAL_VARIANTS:
         variant = type(name or f"{cls.__name__}Functional", (cls, Functional), {"__module__": cls.__module__,
                        "__doc__": f"What ``{cls.__name__}(inputs, outputs)`` builds."})
-        _FUNCTIONAL_VARIANTS[cls] = _named_for_legacy_h5(keras.saving.register_keras_serializable(package="tf_dp")(variant))
+        registered = keras.saving.register_keras_serializable(package="tf_dp")(variant)
+        _FUNCTIONAL_VARIANTS[cls] = _named_for_legacy_h5(registered)
     return _FUNCTIONAL_VARIANTS[cls]
 
 

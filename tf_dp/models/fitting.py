@@ -218,7 +218,8 @@ class DPFitting:
             raise ValueError(
                 "augmentation_multiplicity > 1 needs random views: pass augment=fn (fn(x, seed) -> augmented x, "
                 "run in the input pipeline), or put random augmentation layers in the model (e.g. "
-                "keras.layers.RandomFlip, RandomCrop, RandomTranslation): without either, the K views would be identical.")
+                "keras.layers.RandomFlip, RandomCrop, RandomTranslation): without either, the K views would be "
+                "identical.")
         return AugmentationViews(multiplicity, view_axis=augment is not None)
 
     @contextlib.contextmanager
@@ -248,12 +249,14 @@ class DPFitting:
             stacklevel=3,
         )
         if self._dp["target_epsilon"] is not None:
-            raise ValueError("`target_epsilon` calibration needs Poisson sampling: pass arrays or an unbatched dataset.")
+            raise ValueError("`target_epsilon` calibration needs Poisson sampling: pass arrays or an unbatched "
+                             "dataset.")
         check_rows_independent(self, self._dp_loss, dataset)
         callbacks = [PrivacyReport()] + callbacks
         self._open_phase("batches", 1.0, 0, declared)
-        return super().fit(dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
-                           initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, **kwargs)
+        return super().fit(dataset, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                           validation_data=validation_data, initial_epoch=initial_epoch,
+                           steps_per_epoch=steps_per_epoch, **kwargs)
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False,
                        batch_size: Optional[int] = None, user_ids=None):
@@ -421,7 +424,8 @@ def _static_batch_size(x) -> int:
     warnings.warn(
         f"tf_dp: train_on_batch without batch_size= divides this and later noisy sums by {size}, the size of this "
         "first batch, taken as a public constant: it must not depend on the data (under add/remove adjacency a "
-        "data-dependent size leaks, docs/algorithms.md §7). Pass batch_size=L to declare it.", UserWarning, stacklevel=3)
+        "data-dependent size leaks, docs/algorithms.md §7). Pass batch_size=L to declare it.",
+        UserWarning, stacklevel=3)
     return size
 
 

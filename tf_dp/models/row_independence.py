@@ -121,7 +121,8 @@ def _check(model, per_example_loss, x, y, rows: int) -> bool:
         warnings.warn("tf_dp could check only inference mode (training=False) for layers that mix rows: the model's "
                       "training-mode outputs differ between two identical calls even with Keras' random seeds fixed "
                       "(randomness outside keras.random, e.g. tf.random.shuffle). A layer that mixes rows only in "
-                      "training (MixUp-like) would not be caught: draw randomness with keras.random and a SeedGenerator.",
+                      "training (MixUp-like) would not be caught: draw randomness with keras.random and a "
+                      "SeedGenerator.",
                       stacklevel=3)
         for probe in probes:
             probe.draw = 0

@@ -103,7 +103,8 @@ class DPTrainStep:
         """(x, y, mask, L) with x, y, mask shaped [chunks, P, ...]. L of an explicit batch is
         the phase's declared batch size, never the batch's realized size (docs/algorithms.md §7)."""
         if is_poisson_batch(data):
-            y = self._weighted_targets(data["y"], poisson_sample_weight(data, getattr(self, "_fit_sample_weight", None)))
+            weight = poisson_sample_weight(data, getattr(self, "_fit_sample_weight", None))
+            y = self._weighted_targets(data["y"], weight)
             return data["x"], y, data["mask"], data["expected_batch_size"][0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y = without_unused_targets(self._dp_loss, y)

@@ -8,10 +8,11 @@ lower-triangular b-banded Toeplitz matrix with C[t, t−j] = c_j for j < b, norm
 
     w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0,
 
-so the state is the last b − 1 vectors w (kept in units of each step's σC, see ``privatize``). b = 1 is DP-SGD bit for bit. The buffer keeps b slots
-(memory b·|θ|): slot t mod b receives w_t, and the slot it overwrites held w_{t−b}, which no step
-t' ≥ t reads. So a step that runs twice at the same counter (a step a privacy budget blocks and the
-release that reuses its counter, docs/algorithms.md A.4) computes the same w_t both times.
+so the state is the last b − 1 vectors w (kept in units of each step's σC, see ``privatize``).
+b = 1 is DP-SGD bit for bit. The buffer keeps b slots (memory b·|θ|): slot t mod b receives
+w_t, and the slot it overwrites held w_{t−b}, which no step t' ≥ t reads. So a step that runs
+twice at the same counter (a step a privacy budget blocks and the release that reuses its
+counter, docs/algorithms.md A.4) computes the same w_t both times.
 
 The privacy account of this noise holds only with cyclic Poisson sampling
 (``tf_dp.sampling.CyclicPoissonSampler``: example i may join only steps t ≡ group(i) mod b), so

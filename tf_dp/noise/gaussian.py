@@ -6,10 +6,10 @@ reproducible from its seed, keep two steps' noise independent (never a reused co
 and survive checkpoint/resume: the counter is the model's DP step count (its privacy
 ledger, saved with the model), so it never repeats over the model's life — not across
 ``fit`` calls, recompiles with a new optimizer and the same seed, gradient-accumulation
-micro-steps, or a resume; the key itself is never saved (``tf_dp.noise.key``). Philox under XLA on CPU was measured 30x faster than
-``keras.random.normal``. XLA's Philox kernel lays out counters differently from TF's, so
-a run with ``jit_compile=True`` draws a different (equally distributed) stream than one
-without; each is reproducible from its seed.
+micro-steps, or a resume; the key itself is never saved (``tf_dp.noise.key``). Philox under
+XLA on CPU was measured 30x faster than ``keras.random.normal``. XLA's Philox kernel lays
+out counters differently from TF's, so a run with ``jit_compile=True`` draws a different
+(equally distributed) stream than one without; each is reproducible from its seed.
 
 Streams: the Gaussian gradient draws use codes ≥ 0 (``gaussian_stream``); the negative codes
 belong to other draws of the same (key, step): −1 (``tf_dp.noise.laplace.LAPLACE_STREAM``)
@@ -32,9 +32,10 @@ def draw_seed(key: tf.Tensor, step: tf.Tensor, stream: tf.Tensor) -> tf.Tensor:
 
     ``step`` (the ledger's DP step) and ``stream`` (a variable × replica × replica-count
     code ≥ 0, or a negative stream such as ``tf_dp.noise.laplace.LAPLACE_STREAM``) enter
-    separately and are hashed, so two draws share a seed only if they share (key, step, stream) — whatever the number of variables or replicas (a
-    recompile with fewer trainable variables, or a resume on another replica count, never
-    lands on an earlier step's counters).
+    separately and are hashed, so two draws share a seed only if they share (key, step, stream)
+    — whatever the number of variables or replicas (a recompile with fewer trainable
+    variables, or a resume on another replica count, never lands on an earlier step's
+    counters).
     """
     pair = tf.stack([tf.cast(key, tf.int64), tf.cast(step, tf.int64)])
     return tf.random.experimental.stateless_fold_in(pair, tf.cast(stream, tf.int64), alg="philox")

@@ -103,7 +103,8 @@ def resolve_privatizer(noise) -> Privatizer:
         return noise
     if isinstance(noise, str):
         if noise not in PRIVATIZERS:
-            raise ValueError(f"`noise` must be a tf_dp.noise.Privatizer or one of {sorted(PRIVATIZERS)}, got {noise!r}.")
+            raise ValueError(f"`noise` must be a tf_dp.noise.Privatizer or one of {sorted(PRIVATIZERS)}, "
+                             f"got {noise!r}.")
         return PRIVATIZERS[noise]()
     if isinstance(noise, dict):
         resolved = keras.saving.deserialize_keras_object(noise)

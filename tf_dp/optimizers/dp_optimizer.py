@@ -129,7 +129,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         initial_clip = _initial_clip(l2_norm_clip, adaptive)
         if noise_multiplier is not None:
             noise_multiplier = _checks.non_negative(
-                "noise_multiplier", noise_multiplier, "Noise std on the clipped sum is noise_multiplier * l2_norm_clip.")
+                "noise_multiplier", noise_multiplier,
+                "Noise std on the clipped sum is noise_multiplier * l2_norm_clip.")
         super().__init__(learning_rate=0.0, name=name or "DPOptimizer")
         self.inner_optimizer = inner_optimizer
         self._inner_base_variables = list(inner_optimizer.variables)  # its iteration (and learning rate)

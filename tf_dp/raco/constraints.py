@@ -139,7 +139,8 @@ class RateConstraint(Constraint):
     def expand(self, num_groups, num_classes, partition):
         terms = []
         for members, k, coefficient in self.terms:
-            members = (members,) if isinstance(members, (int, np.integer)) or (self.needs_labels and _is_pair(members)) else members
+            single = isinstance(members, (int, np.integer)) or (self.needs_labels and _is_pair(members))
+            members = (members,) if single else members
             cells = tuple(partition(*m) if self.needs_labels else partition(m, None) for m in members)
             terms.append(RateTerm(cells, int(k), float(coefficient)))
         return [(self.name, terms, self.bound)]

@@ -53,7 +53,8 @@ class RateConstrainedModel(DPModel):
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
         num_classes = int(self.outputs[0].shape[-1]) if getattr(self, "outputs", None) else None
         if not num_classes or num_classes < 2:
-            raise ValueError("RaCO-DP needs a model with a K ≥ 2 class softmax output (a Dense(K, 'softmax') last layer).")
+            raise ValueError("RaCO-DP needs a model with a K ≥ 2 class softmax output (a Dense(K, 'softmax') "
+                             "last layer).")
         self.constraint_set = ConstraintSet(constraints, num_groups, num_classes)
         self.histogram = NoisyHistogram(self.constraint_set.partitioning.size, histogram_noise, histogram_temperature)
         self.dual_learning_rate = _checks.non_negative("dual_learning_rate", dual_learning_rate)

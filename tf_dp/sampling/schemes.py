@@ -107,7 +107,8 @@ def scheme_for_fit(privatizer, num_examples: int, batch_size: int, sampling=None
     if sampling is not None:
         given = sorted(name for name, value in fit_arguments.items() if value is not None)
         if given or getattr(privatizer, "required_sampling", None):
-            raise ValueError(f"This model samples with its own scheme; it cannot be combined with {given or privatizer}.")
+            raise ValueError(f"This model samples with its own scheme; it cannot be combined with "
+                             f"{given or privatizer}.")
         return sampling(num_examples, _checks.positive_int("batch_size", batch_size))
     required = getattr(privatizer, "required_sampling", None)
     given = {name: value for name, value in fit_arguments.items() if value is not None}

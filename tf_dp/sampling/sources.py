@@ -236,7 +236,8 @@ class ExampleSource:
 
     def output_specs(self) -> tuple:
         """(x, y, extras) TensorSpecs without the batch axis."""
-        extras = {name: tf.TensorSpec(column.shape[1:], tf.as_dtype(column.dtype)) for name, column in self.extras.items()}
+        extras = {name: tf.TensorSpec(column.shape[1:], tf.as_dtype(column.dtype))
+                  for name, column in self.extras.items()}
         return (*self.spec, extras)
 
     def graph_read(self, indices: tf.Tensor, mask: tf.Tensor):
@@ -478,7 +479,8 @@ class SerializedSource(ExampleSource):
     def __init__(self, records, parse: Callable):
         if not (hasattr(records, "__len__") and hasattr(records, "__getitem__")):
             raise TypeError(f"A source needs `__len__` and `__getitem__`, got {type(records).__name__}.")
-        self.records, self.parse = RecordSource(records, spec=(tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int8))), parse
+        record_spec = (tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int8))
+        self.records, self.parse = RecordSource(records, spec=record_spec), parse
         self._count = len(records)
         self.extras = {}
         self._recent = collections.deque(maxlen=16)
@@ -564,7 +566,8 @@ class SerializedSource(ExampleSource):
                     return error
                 except Exception as error:  # noqa: BLE001 — named below
                     return SourceError(f"parsing example {int(index)} failed ({type(error).__name__}: "
-                                       f"{str(error).splitlines()[0] if str(error) else ''}); expected {describe(self.spec)}")
+                                       f"{str(error).splitlines()[0] if str(error) else ''}); "
+                                       f"expected {describe(self.spec)}")
         return None
 
     def graph_read(self, indices, mask):
@@ -807,7 +810,8 @@ def materialized_source(dataset: tf.data.Dataset) -> ArraySource:
     size = sum(a.nbytes for a in tf.nest.flatten(x) + tf.nest.flatten(y))
     warnings.warn(
         f"tf_dp: this tf.data.Dataset has no random access (it reads sequentially: a generator, TFRecords, filter, "
-        f"interleave, ...), so Poisson sampling needs all of it in memory: materialized {len(tf.nest.flatten(y)[0]):,} examples "
+        f"interleave, ...), so Poisson sampling needs all of it in memory: materialized "
+        f"{len(tf.nest.flatten(y)[0]):,} examples "
         f"({size / 2**20:,.1f} MiB). For data that do not fit, pass a random-access source instead (a "
         "tfds.data_source, an ArrayRecord reader, a numpy.memmap, tf_dp.sampling.TFRecordSource(files) with a "
         "parsing transform), or batch the dataset (fixed batches, accounted without sampling amplification).",

@@ -56,7 +56,8 @@ def parsed_source(source, keys=None, transform=None, check_rows: int = 2):
     if not is_data_source(source):
         raise TypeError(f"parsed_source needs a tfds.data_source(...) over ArrayRecord, got {type(source).__name__}.")
     method = getattr(source, "deserialize_method", None)
-    if getattr(source, "decoders", None) is not None or (method is not None and method.name != "DESERIALIZE_AND_DECODE"):
+    if getattr(source, "decoders", None) is not None or (
+            method is not None and method.name != "DESERIALIZE_AND_DECODE"):
         raise GraphPathUnavailable("this data source has custom decoders or a deserialize_method other than "
                                    "DESERIALIZE_AND_DECODE; its records are read through its own __getitem__.")
     info = source.dataset_info
@@ -94,7 +95,8 @@ def parsed_source(source, keys=None, transform=None, check_rows: int = 2):
                                              tf.TensorSpec([], tf.string)).structured_outputs)
             return tuple(tf.map_fn(one, serialized, fn_output_signature=spec, parallel_iterations=16))
         flat = tf.io.parse_example(serialized, flat_specs)
-        flat = {k: tf.cast(v, flat_info[k].tf_dtype) if v.dtype != flat_info[k].tf_dtype else v for k, v in flat.items()}
+        flat = {k: tf.cast(v, flat_info[k].tf_dtype) if v.dtype != flat_info[k].tf_dtype else v
+                for k, v in flat.items()}
         nested = tfds_utils.pack_as_nest_dict(flat, serialized_info)
         decoded = {name: features[name].decode_batch_example(nested[name]) for name in names}
         if transform is None:
@@ -129,7 +131,8 @@ def _check_against_python(examples, source, transform, rows: int):
             python = tf.nest.flatten((px, py))
             tf.nest.assert_same_structure((tf.nest.map_structure(lambda v: v[j], x), y[j]), (px, py))
         except (ValueError, TypeError) as error:
-            raise GraphPathUnavailable(f"`transform` gives another structure traced than in Python ({error})") from error
+            raise GraphPathUnavailable(
+                f"`transform` gives another structure traced than in Python ({error})") from error
         for g, p in zip(graph, python):
             p = np.asarray(p)
             # Floats up to rounding (a graph may compute x / 255 as x * (1 / 255)); all else exactly.
