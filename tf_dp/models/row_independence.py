@@ -59,7 +59,7 @@ from tf_dp.models.losses import without_unused_targets
 
 GUARD_ROWS = 16  # the real examples probed together (W)
 DONOR_SEARCH = 51  # further head rows: replacements for W's rows, and W + 16 of them (a larger batch)
-RANDOM_DRAWS = 4
+RANDOM_DRAWS = 3
 GRADIENT_BITS = 1  # changed-row probes whose gradients are compared: those of the index's lowest bits
 SIZE_TOLERANCE = 1e-4  # relative, for values compared across batch sizes (float32; looser for 16-bit floats)
 
@@ -175,7 +175,7 @@ def _probes(head, m: int, draws: int) -> list:
     larger = min(count, 2 * m)
     if larger > m:
         probes.append(_Probe(f"adding {larger - m} examples (batch size {m} → {larger})",
-                             _take(head, np.arange(larger)), everyone, everyone, 0, same_size=False))
+                             _take(head, np.arange(larger)), everyone, everyone, 0, same_size=False, weighted=False))
     return probes
 
 
@@ -429,8 +429,10 @@ def _evaluate(model, per_example_loss, batch, training: bool, draw: int, weighti
     watched = {id(v): tf.convert_to_tensor(v.value) for v in model.trainable_variables} \
         if with_loss and any(w is not None for w in weightings) else {}
     mapping = [(v, watched.get(id(v), value)) for v, value in _pinned_state(model, draw)]
-    with tf.GradientTape(persistent=True) as tape:
-        tape.watch(list(watched.values()))
+    tape = tf.GradientTape(persistent=True, watch_accessed_variables=False) if watched else contextlib.nullcontext()
+    with tape:
+        if watched:
+            tape.watch(list(watched.values()))
         with keras.StatelessScope(state_mapping=mapping) as scope:
             outputs = model(x, training=training)
             values = [("output", np.asarray(o)) for o in tf.nest.flatten(outputs)]
