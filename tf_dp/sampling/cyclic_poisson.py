@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 
 from tf_dp import _checks
-from tf_dp.sampling.poisson import _uniforms, choose_physical_batch_size, chunk
+from tf_dp.sampling.poisson import StepSampler, _uniforms, choose_physical_batch_size, chunk
 from tf_dp.sampling.schemes import SamplingScheme, register_sampling
 
 _GROUP_STREAM = 0  # SeedSequence spawn keys: (0,) draws the groups, (1, t) the batch of step t
@@ -52,7 +52,7 @@ def assign_groups(rng, num_examples: int, num_bands: int) -> np.ndarray:
     return np.minimum(np.floor(_uniforms(rng, num_examples) * num_bands).astype(np.int64), num_bands - 1)
 
 
-class CyclicPoissonSampler:
+class CyclicPoissonSampler(StepSampler):
     """Endless stream of cyclic Poisson batches as (index chunks, mask) of static width P.
 
     Args:
@@ -111,16 +111,6 @@ class CyclicPoissonSampler:
         drawn = members[_uniforms(rng, len(members)) < self.sampling_rate] if len(members) else members
         return chunk(drawn, self.physical_batch_size, self.chunk_multiple)
 
-    def stream(self, first_step: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Batches of steps first_step, first_step + 1, ... (default: where the last stream stopped)."""
-        step = self.next_step if first_step is None else int(first_step)
-        while True:
-            self.next_step = step + 1
-            yield self.batch(step)
-            step += 1
-
-    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        return self.stream()
 
     def __repr__(self) -> str:
         return (f"CyclicPoissonSampler(num_examples={self.num_examples}, expected_batch_size="

@@ -79,7 +79,29 @@ def chunk(indices: np.ndarray, physical_batch_size: int, multiple: int = 1) -> t
     return padded.reshape(chunks, physical_batch_size), mask.reshape(chunks, physical_batch_size)
 
 
-class PoissonSampler:
+class StepSampler:
+    """A sampler whose batch of step t is ``batch(t)``, a function of its secret seed and t
+    only; ``stream`` serves steps in order from where the last stream stopped (or from a
+    given step), ``next_step`` being that position. Base of every sampler."""
+
+    next_step = 0
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def stream(self, first_step: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Batches of steps first_step, first_step + 1, ... (default: where the last stream stopped)."""
+        step = self.next_step if first_step is None else int(first_step)
+        while True:
+            self.next_step = step + 1
+            yield self.batch(step)
+            step += 1
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.stream()
+
+
+class PoissonSampler(StepSampler):
     """Endless stream of Poisson batches as (index chunks, mask) of static width P.
 
     Args:
@@ -112,13 +134,3 @@ class PoissonSampler:
         indices = sample_poisson_batch(rng, self.num_examples, self.sampling_rate)
         return chunk(indices, self.physical_batch_size, self.chunk_multiple)
 
-    def stream(self, first_step: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Batches of steps first_step, first_step + 1, ... (default: where the last stream stopped)."""
-        step = self.next_step if first_step is None else int(first_step)
-        while True:
-            self.next_step = step + 1
-            yield self.batch(step)
-            step += 1
-
-    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        return self.stream()

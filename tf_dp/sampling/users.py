@@ -26,12 +26,13 @@ import dataclasses
 import math
 import numbers
 import os
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 
 from tf_dp import _checks
-from tf_dp.sampling.poisson import PAD_INDEX, _uniforms, choose_physical_batch_size, sample_poisson_batch
+from tf_dp.sampling.poisson import (PAD_INDEX, StepSampler, _uniforms, choose_physical_batch_size,
+                                    sample_poisson_batch)
 from tf_dp.sampling.schemes import SamplingScheme, register_sampling
 
 ORDER_STREAM = 2**63 + 0x05E5  # the "step" whose stream orders each user's examples: no real step reaches it
@@ -87,7 +88,7 @@ def _as_id_array(user_ids) -> np.ndarray:
     return array
 
 
-class UserPoissonSampler:
+class UserPoissonSampler(StepSampler):
     """Endless stream of user-level Poisson batches as (index chunks [n, P, m], mask [n, P]).
 
     Args:
@@ -157,16 +158,6 @@ class UserPoissonSampler:
         shape = (chunks, physical, m) if m > 1 else (chunks, physical)  # m = 1: the example-level layout
         return indices.reshape(shape), mask.reshape(chunks, physical)
 
-    def stream(self, first_step: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Batches of steps first_step, first_step + 1, ... (default: where the last stream stopped)."""
-        step = self.next_step if first_step is None else int(first_step)
-        while True:
-            self.next_step = step + 1
-            yield self.batch(step)
-            step += 1
-
-    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        return self.stream()
 
 
 def users_per_step(num_users: int, batch_size) -> int:
