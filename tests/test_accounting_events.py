@@ -48,11 +48,16 @@ HAND_BUILT = {
     "batches": lambda p: dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(p.noise_multiplier), p.steps),
     "raco_poisson": lambda p: dp_event.SelfComposedDpEvent(
         raco.GaussianLaplaceDpEvent(p.sampling_rate, p.noise_multiplier, p.parameter), p.steps),
+    # BandMF (docs/algorithms.md §10): q_b = b·L/N, one participation per b steps: ⌈T/b⌉ rounds.
+    "cyclic_poisson": lambda p: dp_event.SelfComposedDpEvent(
+        dp_event.PoissonSampledDpEvent(p.parameter * p.expected_batch_size / p.num_examples,
+                                       dp_event.GaussianDpEvent(p.noise_multiplier)), -(-p.steps // int(p.parameter))),
 }
 SAMPLE_PHASES = {
     "poisson": Phase("poisson", 0.01, 1.1, 10000, 100.0, 300),
     "batches": Phase("batches", 1.0, 4.0, 0, 32.0, 7),
     "raco_poisson": Phase("raco_poisson", 0.125, 4.0, 32561, 4096.0, 12, parameter=2.0),
+    "cyclic_poisson": Phase("cyclic_poisson", 0.04, 1.1, 10000, 100.0, 30, parameter=4.0),
 }
 
 

@@ -160,7 +160,7 @@ def _probes(head, m: int, draws: int) -> list:
                 probes.append(_Probe(f"changing examples {_rows_text(changed)}", variant, kept, kept,
                                      len(probes) % draws, same_size=True, weighted=bit < GRADIENT_BITS))
     odd = everyone[1::2]
-    zeros = tf.nest.map_structure(lambda a: None if a is None else np.zeros_like(a[:1]), batch)
+    zeros = tf.nest.map_structure(_padding_row, batch)
     padded = batch
     for k in odd:
         padded = _replace_row(padded, k, zeros)
@@ -545,3 +545,13 @@ def _replace_row(batch, k: int, donor):
         return changed
 
     return tf.nest.map_structure(replace, batch, donor)
+
+
+def _padding_row(column):
+    """One padding row of ``column`` as a Poisson chunk pads it: zeros, or empty strings for text."""
+    if column is None:
+        return None
+    column = np.asarray(column)
+    if column.dtype == object or column.dtype.kind in "SU":
+        return np.full(column[:1].shape, "" if column.dtype.kind == "U" else b"", dtype=column.dtype)
+    return np.zeros_like(column[:1])
