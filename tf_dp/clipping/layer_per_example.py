@@ -164,16 +164,16 @@ def unrolled_recurrence(layer, args):
 
 
 @contextlib.contextmanager
-def unrolled_sublayers(model):
-    """While a per-example map of ``model`` is traced, each recurrent layer in it runs
-    unrolled in every call whose number of steps is static (as ``unrolled_recurrence``):
-    its ``call`` is wrapped per instance and restored after."""
+def calls_wrapped(model, applies, wrap):
+    """While open, each layer of ``model`` with ``applies(layer)`` runs ``wrap(layer, call)``
+    instead of its ``call`` (set per instance, so other models sharing the class are untouched,
+    and restored on exit, whatever the instance had before)."""
     wrapped = []
     for layer in model._flatten_layers(include_self=True):
-        if isinstance(layer, keras.layers.RNN) and not layer.unroll:
+        if applies(layer):
             own = layer.__dict__.get("call")
             wrapped.append((layer, own))
-            object.__setattr__(layer, "call", _unrolling_call(layer, own or type(layer).call.__get__(layer)))
+            object.__setattr__(layer, "call", wrap(layer, own or type(layer).call.__get__(layer)))
     try:
         yield
     finally:
@@ -182,6 +182,13 @@ def unrolled_sublayers(model):
                 layer.__dict__.pop("call", None)
             else:
                 object.__setattr__(layer, "call", own)
+
+
+def unrolled_sublayers(model):
+    """While a per-example map of ``model`` is traced, each recurrent layer in it runs
+    unrolled in every call whose number of steps is static (as ``unrolled_recurrence``)."""
+    return calls_wrapped(model, lambda layer: isinstance(layer, keras.layers.RNN) and not layer.unroll,
+                         _unrolling_call)
 
 
 def _unrolling_call(layer, call):

@@ -14,7 +14,6 @@ a failure at the step that first samples such an example would tell when it was 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Callable, Optional, Sequence
 
@@ -23,7 +22,7 @@ import tensorflow as tf
 
 from tf_dp.clipping.embedding import in_range_ids, zero_invalid
 from tf_dp.clipping.kernels import require_grouped_conv_kernels
-from tf_dp.clipping.layer_per_example import per_example_map, unrolled_sublayers
+from tf_dp.clipping.layer_per_example import calls_wrapped, per_example_map, unrolled_sublayers
 
 
 def per_example_gradients(
@@ -70,25 +69,11 @@ def _subset_gradients(model, per_example_loss, x, y, variables, values, indices)
         return per_example_map(one_example, (x, y), signature, model.name)
 
 
-@contextlib.contextmanager
 def total_embedding_lookups(model):
     """While the map is traced, each Embedding in ``model`` (ReversibleEmbedding's forward
     lookup included) looks up z_t = E[id_t + V·[id_t < 0]] where that is in [0, V) and
-    z_t = 0 (no gradient) elsewhere: its ``call`` is wrapped per instance and restored after."""
-    wrapped = []
-    for layer in model._flatten_layers(include_self=True):
-        if isinstance(layer, keras.layers.Embedding):
-            own = layer.__dict__.get("call")
-            wrapped.append((layer, own))
-            object.__setattr__(layer, "call", _total_lookup(layer, own or type(layer).call.__get__(layer)))
-    try:
-        yield
-    finally:
-        for layer, own in wrapped:
-            if own is None:
-                layer.__dict__.pop("call", None)
-            else:
-                object.__setattr__(layer, "call", own)
+    z_t = 0 (no gradient) elsewhere."""
+    return calls_wrapped(model, lambda layer: isinstance(layer, keras.layers.Embedding), _total_lookup)
 
 
 def _total_lookup(layer, call):
