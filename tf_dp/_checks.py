@@ -84,3 +84,33 @@ def batch_size_for(num_examples: int, batch_size: Any) -> int:
             "sampling rate batch_size / num_examples must be <= 1. Use a smaller batch_size."
         )
     return batch_size
+
+
+def registered_part(argument: str, value, registry: dict, base: type, default: type, kind: str):
+    """A part of the DP mechanism given as ``argument=`` (docs/design.md): None → ``default()``,
+    an instance of ``base``, a name in ``registry`` (its class, built without arguments), or a
+    Keras-serialized instance (a config dict, as saved in an optimizer's config).
+
+    Args:
+      argument: the argument's name, for the error message.
+      value: what the user passed.
+      registry: {name: class} of the registered parts.
+      base: the parts' base class.
+      default: the class None stands for.
+      kind: how the error names a valid part, e.g. "a tf_dp.noise.Privatizer (e.g. BandMF(4))".
+    """
+    import keras
+
+    if value is None:
+        return default()
+    if isinstance(value, base):
+        return value
+    if isinstance(value, str):
+        if value not in registry:
+            raise ValueError(f"`{argument}` must be {kind} or one of {sorted(registry)}, got {value!r}.")
+        return registry[value]()
+    if isinstance(value, dict):
+        resolved = keras.saving.deserialize_keras_object(value)
+        if isinstance(resolved, base):
+            return resolved
+    raise TypeError(f"`{argument}` must be {kind} or one of {sorted(registry)}, got {value!r}.")

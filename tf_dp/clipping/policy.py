@@ -235,18 +235,5 @@ class Normalized(ClippingPolicy):
 
 def resolve_clipping(clipping) -> ClippingPolicy:
     """``clipping=`` of a DP optimizer: None/"flat", a registered name, a policy or its config."""
-    if clipping is None:
-        return FlatClip()
-    if isinstance(clipping, ClippingPolicy):
-        return clipping
-    if isinstance(clipping, str):
-        if clipping not in CLIPPING_POLICIES:
-            raise ValueError(f"`clipping` must be a tf_dp.clipping.ClippingPolicy or one of "
-                             f"{sorted(CLIPPING_POLICIES)}, got {clipping!r}.")
-        return CLIPPING_POLICIES[clipping]()
-    if isinstance(clipping, dict):
-        resolved = keras.saving.deserialize_keras_object(clipping)
-        if isinstance(resolved, ClippingPolicy):
-            return resolved
-    raise TypeError(f"`clipping` must be a tf_dp.clipping.ClippingPolicy or one of {sorted(CLIPPING_POLICIES)}, "
-                    f"got {clipping!r}.")
+    return _checks.registered_part("clipping", clipping, CLIPPING_POLICIES, ClippingPolicy, FlatClip,
+                                   "a tf_dp.clipping.ClippingPolicy")

@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 import keras
 import tensorflow as tf
 
+from tf_dp import _checks
+
 from tf_dp.noise.gaussian import add_gaussian_noise
 
 PRIVATIZERS: dict = {}
@@ -97,18 +99,5 @@ class GaussianNoise(Privatizer):
 def resolve_privatizer(noise) -> Privatizer:
     """``noise=`` of a DP optimizer: None or "gaussian" → GaussianNoise(), a registered name,
     a Privatizer, or a serialized one (a config dict)."""
-    if noise is None:
-        return GaussianNoise()
-    if isinstance(noise, Privatizer):
-        return noise
-    if isinstance(noise, str):
-        if noise not in PRIVATIZERS:
-            raise ValueError(f"`noise` must be a tf_dp.noise.Privatizer or one of {sorted(PRIVATIZERS)}, "
-                             f"got {noise!r}.")
-        return PRIVATIZERS[noise]()
-    if isinstance(noise, dict):
-        resolved = keras.saving.deserialize_keras_object(noise)
-        if isinstance(resolved, Privatizer):
-            return resolved
-    raise TypeError(f"`noise` must be a tf_dp.noise.Privatizer (e.g. tf_dp.noise.BandMF(4)) or one of "
-                    f"{sorted(PRIVATIZERS)}, got {noise!r}.")
+    return _checks.registered_part("noise", noise, PRIVATIZERS, Privatizer, GaussianNoise,
+                                   "a tf_dp.noise.Privatizer (e.g. tf_dp.noise.BandMF(4))")
