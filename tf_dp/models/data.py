@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import re
 import secrets
 from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.sampling.dataset_graph import duplicating_idioms
+from tf_dp.sampling.dataset_graph import dataset_ends_in_batch, duplicating_idioms
 from tf_dp.sampling.loader import augmented_spec, poisson_loader
-from tf_dp.sampling.sources import ArraySource, ExampleSource
+from tf_dp.sampling.sources import ArraySource, ExampleSource, num_rows  # noqa: F401 (num_rows: fit's)
 
 POISSON_KEYS = ("x", "y", "mask", "expected_batch_size")
 
 
 def is_poisson_batch(data) -> bool:
     return isinstance(data, dict) and set(POISSON_KEYS) <= set(data)
-
-
-def num_rows(x) -> int:
-    return int(np.shape(tf.nest.flatten(x)[0])[0])
 
 
 def is_batched_dataset(dataset: tf.data.Dataset, model) -> bool:
@@ -183,42 +178,6 @@ def _first_shape(shapes):
             return tuple(shapes)
         return _first_shape(shapes[0]) if shapes else None
     return None
-
-
-_DATASET_OP = re.compile(r"Dataset(V\d+)?$")
-
-
-def dataset_ends_in_batch(dataset: tf.data.Dataset) -> bool:
-    """True iff every path from the dataset's output back to a source meets a batching
-    transformation before any unbatch (read from the dataset's serialized graph; False when
-    it cannot be read, or a batch is hidden inside a function such as flat_map's)."""
-    try:
-        graph = tf.compat.v1.GraphDef()
-        graph.ParseFromString(dataset._as_serialized_graph().numpy())
-    except Exception:  # noqa: BLE001 — an unreadable graph is no fact
-        return False
-    nodes = {node.name: node for node in graph.node}
-    outputs = [node for node in graph.node if node.op == "_Retval"]
-    return bool(outputs) and all(_batched_path(nodes, _dataset_inputs(nodes, node)) for node in outputs)
-
-
-def _dataset_inputs(nodes: dict, node) -> list:
-    names = (name.split(":")[0] for name in node.input if not name.startswith("^"))
-    return [nodes[name] for name in names if name in nodes and _DATASET_OP.search(nodes[name].op)]
-
-
-def _batched_path(nodes: dict, frontier: list) -> bool:
-    """All paths through ``frontier`` meet a batch op before an unbatch op or a source."""
-    for node in frontier:
-        op = node.op.lower()
-        if "unbatch" in op:
-            return False
-        if "batch" in op:
-            continue
-        upstream = _dataset_inputs(nodes, node)
-        if not upstream or not _batched_path(nodes, upstream):
-            return False
-    return bool(frontier)
 
 
 def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_size: Optional[int],

@@ -301,6 +301,44 @@ def _per_row(unreduced, y_true, y_pred, sample_weight=None, by_weight_total: boo
     return weighted / tf.cast(tf.shape(flat)[1], values.dtype)
 
 
+def class_weight_table(class_weight: dict) -> np.ndarray:
+    """cw as a float32 table indexed by class (classes not listed weigh 1, as in Keras).
+    Raises TypeError for anything but a non-empty dict, ValueError for a negative class."""
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise TypeError(f"`class_weight` must be a non-empty dict {{class index: weight}}, got {class_weight!r}.")
+    classes = [int(k) for k in class_weight]
+    if min(classes) < 0:
+        raise ValueError(f"`class_weight` keys must be class indices >= 0, got {sorted(classes)}.")
+    table = np.ones(max(classes) + 1, np.float32)
+    for key, weight in class_weight.items():
+        table[int(key)] = float(weight)
+    return table
+
+
+def class_weights_of(y, table: np.ndarray) -> tf.Tensor:
+    """w_i = cw[label of example i] for y shaped [chunks, P] (class ids), [chunks, P, 1] or
+    [chunks, P, K] (one-hot / probabilities: the argmax, as Keras); classes beyond the table
+    weigh 1. A function of example i's own label only (module docstring)."""
+    if tf.nest.is_nested(y):
+        raise ValueError("`class_weight` is supported for models with one output (as in Keras).")
+    rank = y.shape.rank
+    if rank == 3 and y.shape[-1] == 1:
+        labels = y[..., 0]
+    elif rank == 3:
+        labels = tf.argmax(y, axis=-1)
+    elif rank == 2:
+        labels = y
+    else:
+        raise ValueError(f"`class_weight` needs one label per example (y of shape [batch], [batch, 1] or one-hot "
+                         f"[batch, classes]); got y with {rank - 1 if rank else 'unknown'} dimensions per batch. "
+                         "For per-token weights pass `sample_weight`.")
+    labels = tf.cast(tf.round(tf.cast(labels, tf.float32)), tf.int32) if labels.dtype.is_floating \
+        else tf.cast(labels, tf.int32)
+    inside = (labels >= 0) & (labels < len(table))
+    weights = tf.gather(tf.constant(table), tf.clip_by_value(labels, 0, len(table) - 1))
+    return tf.where(inside, weights, 1.0)
+
+
 def _require_weights_match(weights, flat, sample_weight, values) -> None:
     per_row, count = weights.shape[1], flat.shape[1]
     if per_row is not None and count is not None and per_row not in (1, count):

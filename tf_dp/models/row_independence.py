@@ -54,8 +54,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dp.clipping.layer_per_example import calls_wrapped
 from tf_dp.clipping.per_example import total_embedding_lookups
 from tf_dp.models.losses import without_unused_targets
+from tf_dp.sampling.sources import num_rows
 
 GUARD_ROWS = 16  # the real examples probed together (W)
 DONOR_SEARCH = 51  # further head rows: replacements for W's rows, and W + 16 of them (a larger batch)
@@ -106,13 +108,13 @@ def _check(model, per_example_loss, x, y, rows: int) -> bool:
         x, y = _first_batch(x)
         y = without_unused_targets(per_example_loss, y)  # (y0, None) for loss=[fn, None]
     x, y = _as_numpy(x), None if y is None else _as_numpy(y)
-    count = min(_num_rows(x), rows + DONOR_SEARCH)
+    count = min(num_rows(x), rows + DONOR_SEARCH)
     if count < 2:
         return False
     batch = _take((x, y), np.arange(min(rows, count)))
     if not model.built:
         model(_take(batch, np.arange(min(3, count)))[0], training=False)
-    probes = _probes(_take((x, y), np.arange(count)), _num_rows(batch[0]), RANDOM_DRAWS)
+    probes = _probes(_take((x, y), np.arange(count)), num_rows(batch[0]), RANDOM_DRAWS)
     gradients = per_example_loss is not None and y is not None and bool(model.trainable_variables)
     first = _base(model, per_example_loss, batch, [p for p in probes if p.draw == 0], True, 0, gradients,
                   check_state=True)
@@ -143,7 +145,7 @@ def _check(model, per_example_loss, x, y, rows: int) -> bool:
 def _probes(head, m: int, draws: int) -> list:
     """The variants of W = head[:m] (module docstring), changed-row probes cycling over draws."""
     x, y = head
-    count = _num_rows(x)
+    count = num_rows(x)
     batch = _take(head, np.arange(m))
     everyone = np.arange(m)
     probes = []
@@ -194,7 +196,7 @@ def _base(model, per_example_loss, batch, probes: list, training: bool, draw: in
     """(values, per-probe weights of W's rows, per-probe ∇θ Σ_compared v ℓ) of W itself;
     ``check_state``: also refuse non-trainable state the (training-mode) pass updates."""
     v = _row_weights(_max_rows(batch, probes))
-    rows = _num_rows(batch[0])
+    rows = num_rows(batch[0])
     weights = [_weights_on(p.compared, v[p.compared], rows) if gradients and p.weighted else None for p in probes]
     scopes = [] if check_state else None
     values, base_gradients = _evaluate(model, per_example_loss, batch, training, draw, weights, scopes)
@@ -204,7 +206,7 @@ def _base(model, per_example_loss, batch, probes: list, training: bool, draw: in
 
 
 def _max_rows(batch, probes: list) -> int:
-    return max([_num_rows(batch[0]), *(_num_rows(p.batch[0]) for p in probes)])
+    return max([num_rows(batch[0]), *(num_rows(p.batch[0]) for p in probes)])
 
 
 def _require_rows_unmoved(model, per_example_loss, batch, probes: list, training: bool, draw: int, base) -> None:
@@ -212,7 +214,7 @@ def _require_rows_unmoved(model, per_example_loss, batch, probes: list, training
     v = _row_weights(_max_rows(batch, probes))
     values, base_weights, base_gradients = base
     for probe, base_weight, before_gradient in zip(probes, base_weights, base_gradients):
-        weights = _weights_on(probe.kept, v[probe.compared], _num_rows(probe.batch[0])) \
+        weights = _weights_on(probe.kept, v[probe.compared], num_rows(probe.batch[0])) \
             if before_gradient is not None else None
         after, (after_gradient,) = _evaluate(model, per_example_loss, probe.batch, training, draw, [weights])
         moved = _moved(values, after, probe) or _gradient_moved(before_gradient, after_gradient, probe)
@@ -278,27 +280,19 @@ def _raise_mixing(probe: _Probe, moved: str, layer: Optional[str], training: boo
 def _recording(model, tape):
     """Records (layer, inputs, output) of every layer call inside ``model``, in completion
     order; the floating inputs are watched by ``tape`` (so input gradients exist)."""
-    records, patched = [], []
-    for layer in model._flatten_layers(include_self=False):
-        original = layer.call
+    records = []
 
-        def call(*args, __layer=layer, __original=original, **kwargs):
+    def recorded(layer, original):
+        def call(*args, **kwargs):
             inputs = [t for t in tf.nest.flatten((args, kwargs)) if tf.is_tensor(t)]
             tape.watch([t for t in inputs if t.dtype.is_floating])
-            output = __original(*args, **kwargs)
-            records.append((__layer, inputs, [t for t in tf.nest.flatten(output) if tf.is_tensor(t)]))
+            output = original(*args, **kwargs)
+            records.append((layer, inputs, [t for t in tf.nest.flatten(output) if tf.is_tensor(t)]))
             return output
+        return call
 
-        patched.append((layer, layer.__dict__.get("call")))
-        object.__setattr__(layer, "call", call)
-    try:
+    with calls_wrapped(model, lambda layer: layer is not model, recorded):
         yield records
-    finally:
-        for layer, own in patched:
-            if own is None:
-                layer.__dict__.pop("call", None)
-            else:
-                object.__setattr__(layer, "call", own)
 
 
 def _layer_trace(model, per_example_loss, batch, training, draw, weights):
@@ -395,10 +389,6 @@ def _first_batch(dataset: tf.data.Dataset):
 
 def _as_numpy(structure):
     return tf.nest.map_structure(np.asarray, structure)
-
-
-def _num_rows(x) -> int:
-    return int(np.shape(tf.nest.flatten(x)[0])[0])
 
 
 def _take(structure, indices: np.ndarray):

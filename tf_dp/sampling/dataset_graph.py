@@ -24,6 +24,7 @@ import re
 from typing import Iterable, Optional
 
 import tensorflow as tf
+from google.protobuf.message import DecodeError
 
 _DATASET_OP = re.compile(r"Dataset(V\d+)?$")
 _MULTI_INPUT = ("ConcatenateDataset", "ZipDataset", "DirectedInterleaveDataset")
@@ -66,6 +67,11 @@ class _Graph:
         unbatch: then ``node`` (a repeat, say) handles whole batches, never single examples."""
         frontier = self.inputs(node)
         return bool(frontier) and all(self._meets_batch(n) for n in frontier)
+
+    def ends_in_batch(self) -> bool:
+        """Whether every path from the output back to a source meets a batching op before any
+        unbatch: then the dataset's elements are batches."""
+        return bool(self.outputs) and all(self._meets_batch(n) for n in self.outputs)
 
     def _meets_batch(self, node) -> bool:
         op = node.op.lower()
@@ -116,13 +122,22 @@ def _is_batch(op: str) -> bool:
 
 
 def read_graph(dataset: tf.data.Dataset) -> Optional[_Graph]:
-    """The dataset's graph, or None when tf.data cannot serialize it."""
+    """The dataset's graph, or None when tf.data cannot serialize it (an op error, e.g. a
+    graph over protobuf's 2 GB limit) or the bytes do not parse; other errors propagate."""
     try:
         graph_def = tf.compat.v1.GraphDef()
         graph_def.ParseFromString(dataset._as_serialized_graph().numpy())
-    except Exception:  # noqa: BLE001 — an unreadable graph is no fact
+    except (tf.errors.OpError, DecodeError):  # an unreadable graph is no fact
         return None
     return _Graph(graph_def)
+
+
+def dataset_ends_in_batch(dataset: tf.data.Dataset) -> bool:
+    """True iff every path from the dataset's output back to a source meets a batching
+    transformation before any unbatch (read from the dataset's serialized graph; False when
+    it cannot be read, or a batch is hidden inside a function such as flat_map's)."""
+    graph = read_graph(dataset)
+    return graph is not None and graph.ends_in_batch()
 
 
 def duplicating_idioms(dataset: tf.data.Dataset, batched: bool) -> list:
@@ -202,7 +217,7 @@ def _plainly_duplicate_free(dataset, batched: bool) -> bool:
             return False  # a batch of repeated batches: the graph decides
         try:
             stack.extend(node._inputs())
-        except Exception:  # noqa: BLE001 — an unknown dataset class: the graph decides
+        except (NotImplementedError, AttributeError, TypeError):  # an unknown dataset class: the graph decides
             return False
     return True
 
@@ -210,7 +225,7 @@ def _plainly_duplicate_free(dataset, batched: bool) -> bool:
 def _python_repeat_upstream(node) -> bool:
     try:
         inputs = node._inputs()
-    except Exception:  # noqa: BLE001 — an unknown dataset class
+    except (NotImplementedError, AttributeError, TypeError):  # an unknown dataset class
         return True
     return any(type(n).__name__ == "_RepeatDataset" or _python_repeat_upstream(n) for n in inputs)
 

@@ -68,10 +68,7 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
                          "examples): augment inside the model (random layers) instead.")
 
     def index_stream():
-        step = sampler.next_step if first_step is None else int(first_step())
-        while True:
-            sampler.next_step = step + 1
-            indices, mask = sampler.batch(step)
+        for step, indices, mask in sampler.numbered_stream(None if first_step is None else first_step()):
             if replica_slots is None:
                 yield step, indices, mask
             else:
@@ -79,7 +76,6 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
                 for slot in replica_slots:
                     part = slice(slot * width, (slot + 1) * width)
                     yield step, indices[part], mask[part]
-            step += 1
 
     signature = (tf.TensorSpec([], tf.int64), tf.TensorSpec([None, physical, *unit], tf.int64),
                  tf.TensorSpec([None, physical], tf.float32))

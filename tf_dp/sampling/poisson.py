@@ -91,10 +91,16 @@ class StepSampler:
 
     def stream(self, first_step: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Batches of steps first_step, first_step + 1, ... (default: where the last stream stopped)."""
+        for _, indices, mask in self.numbered_stream(first_step):
+            yield indices, mask
+
+    def numbered_stream(self, first_step: Optional[int] = None) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """(t, indices, mask) = (t, *batch(t)) for t = first_step, first_step + 1, ... (default:
+        where the last stream stopped); ``next_step`` is t + 1 once step t is served."""
         step = self.next_step if first_step is None else int(first_step)
         while True:
             self.next_step = step + 1
-            yield self.batch(step)
+            yield (step, *self.batch(step))
             step += 1
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:

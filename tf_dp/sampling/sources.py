@@ -151,8 +151,12 @@ def _is_array_column(value) -> bool:
     return (isinstance(value, (np.ndarray, tf.Tensor)) or _is_lazy_array(value)) and len(np.shape(value)) >= 1
 
 
-def _num_rows(column) -> int:
-    return int(column.shape[0]) if hasattr(column, "shape") else len(column)
+def num_rows(x) -> int:
+    """The number of rows of ``x``, an array-like column or a structure of them: the leading
+    size of its first leaf, read from ``.shape`` where it has one (a lazy array is not
+    loaded), else ``len``."""
+    first = tf.nest.flatten(x)[0]
+    return int(first.shape[0]) if hasattr(first, "shape") else len(first)
 
 
 def _take_rows(column, rows: np.ndarray) -> np.ndarray:
@@ -228,8 +232,8 @@ class ExampleSource:
         """A copy of this source that also reads the per-example ``extras`` arrays."""
         extras = {name: _column(value, name) for name, value in (extras or {}).items()}
         for name, column in extras.items():
-            if _num_rows(column) != len(self):
-                raise ValueError(f"`{name}` has {_num_rows(column)} rows but the source has {len(self)} examples.")
+            if num_rows(column) != len(self):
+                raise ValueError(f"`{name}` has {num_rows(column)} rows but the source has {len(self)} examples.")
         source = copy.copy(self)
         source.extras = extras
         return source
@@ -265,7 +269,7 @@ class ArraySource(ExampleSource):
             raise ValueError("DP fit needs both `x` and `y`.")
         self.x = input_columns(x)  # fit([x1, x2], y): one column per input, as Keras reads a list
         self.y = target_columns(y)  # one column, or one per output of a multi-output model
-        sizes = {_num_rows(c) for c in tf.nest.flatten(self.x)} | {_num_rows(c) for c in tf.nest.flatten(self.y)}
+        sizes = {num_rows(c) for c in tf.nest.flatten(self.x)} | {num_rows(c) for c in tf.nest.flatten(self.y)}
         if len(sizes) != 1:
             raise ValueError(f"`x` and `y` must have the same number of rows, got sizes {sorted(sizes)}.")
         self._count = sizes.pop()
