@@ -245,7 +245,7 @@ class BandMF(Privatizer):
     # -- state --
     def build(self, variables: Sequence) -> None:
         """Creates the zero buffer of b vectors per variable (eagerly, before tracing)."""
-        _refuse_replicas(_strategy_replicas())
+        _refuse_replicas(_strategy_replicas(), self.num_bands)
         variables = list(variables)
         if self.num_bands == 1:
             return
@@ -290,7 +290,7 @@ class BandMF(Privatizer):
         Returns:
           The noisy sums x_t + w_t, one per variable.
         """
-        _refuse_replicas(replicas)
+        _refuse_replicas(replicas, self.num_bands)
         clipped_sums = list(clipped_sums)
         if self.num_bands == 1:  # C = [1]: the very computation of GaussianNoise
             return add_gaussian_noise(clipped_sums, stddev, key, dp_step, replica, replicas)
@@ -357,8 +357,10 @@ def _strategy_replicas() -> int:
     return tf.distribute.get_strategy().num_replicas_in_sync if tf.distribute.has_strategy() else 1
 
 
-def _refuse_replicas(replicas) -> None:
+def _refuse_replicas(replicas, num_bands=None) -> None:
     if isinstance(replicas, int) and replicas > 1:
-        raise ValueError(f"tf_dp.noise.BandMF supports a single replica for now (got {replicas} replicas): each "
-                         "replica would need its own share of the noise buffer. Train without a multi-replica "
-                         "tf.distribute strategy, or use the default Gaussian noise (noise=None).")
+        shown = "BandMF" if num_bands is None else f"BandMF({num_bands})"
+        raise ValueError(f"noise={shown}: tf_dp.noise.BandMF supports a single replica for now (got {replicas} "
+                         "replicas): the correlated noise must act once on the all-reduced global sum with one "
+                         "buffer, while each replica privatizes its own share. Train without a multi-replica "
+                         "tf.distribute strategy, or use the default white Gaussian noise (noise=None) under it.")
