@@ -72,6 +72,21 @@ class PrivacyLedger(tf.Module):
         # flag for the host, hidden from every saver).
         self._refusals = _Untracked(count=tf.Variable(0, dtype=tf.int64, trainable=False, name="refused_steps",
                                                       aggregation=once))
+        self._restorer = _Untracked(table=_PhaseTableRestorer(self))
+
+    # A tf.train.Checkpoint saves and restores "phase_table" through ``_PhaseTableRestorer``
+    # (same key, same value), which restores every saved layout (7 columns before the segment
+    # column, 64 rows); SavedModel export keeps the variable itself.
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        children = super()._trackable_children(save_type, **kwargs)
+        if getattr(save_type, "value", save_type) == "checkpoint" and "phase_table" in children:
+            children = {**children, "phase_table": self._restorer.table}
+        return children
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        if name == "phase_table" and "_restorer" in self.__dict__:  # (absent while __init__ runs)
+            return self._restorer.table
+        return super()._lookup_dependency(name, cached_dependencies)
 
     def save_to(self, store) -> None:
         store[self.STORE_KEYS[0]] = self.phase_table.numpy()
@@ -235,6 +250,29 @@ def upgraded_table(saved: np.ndarray) -> np.ndarray:
 def epsilon_of_phases(phases: list[Phase], delta: float, accountant: str = events.DEFAULT_ACCOUNTANT) -> float:
     """ε at δ of the composition of ``phases`` (``tf_dp.accounting.events.epsilon``)."""
     return events.epsilon(list(phases), delta, accountant)
+
+
+class _PhaseTableRestorer(tf.__internal__.tracking.Trackable):
+    """The phase table as a ``tf.train.Checkpoint`` sees it: saved as the variable's value
+    (the key a variable would have), restored into the ledger's [MAX_PHASES, 8] variable through
+    ``upgraded_table``, so a checkpoint written before the segment column (7 columns; each old
+    row its own segment, as for .keras files) or with 64 rows restores with its phases, steps
+    and ε unchanged."""
+
+    def __init__(self, ledger: PrivacyLedger):
+        self._ledger = ledger
+
+    def _serialize_to_tensors(self):
+        return {_VARIABLE_VALUE: self._ledger.phase_table.read_value()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        saved = tf.convert_to_tensor(restored_tensors[_VARIABLE_VALUE])
+        table = tf.numpy_function(upgraded_table, [tf.cast(saved, tf.float64)], tf.float64, stateful=False)
+        table.set_shape((MAX_PHASES, _COLUMNS))
+        return self._ledger.phase_table.assign(table)
+
+
+_VARIABLE_VALUE = "VARIABLE_VALUE"  # the key of a variable's value in a checkpoint (a Trackable's tensor)
 
 
 class _Untracked:

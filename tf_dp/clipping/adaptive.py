@@ -16,7 +16,10 @@ pays with σ_Δ > σ.
 
 The count noise is drawn from Philox keyed by the run's noise key at the DP step, on stream
 ``COUNT_STREAM`` (−2; see tf_dp/noise/gaussian.py), which no Gaussian gradient draw (streams ≥ 0)
-and no Laplace draw (−1) uses.
+and no Laplace draw (−1) uses. Under R > 1 tf.distribute replicas the count is GLOBAL: replica r
+adds a share N(0, σ_b²/R) on stream ``count_stream(r, R)`` to its own chunks' count and one
+all-reduce sums counts and shares, so every replica updates C from the same noisy global count
+(in secure mode too, where the replicas' keys differ).
 """
 
 from __future__ import annotations
@@ -125,15 +128,20 @@ class AdaptiveClip:
         below = tf.cast(tf.cast(squared_norms, tf.float64) <= tf.square(clip), tf.float64)
         return tf.reduce_sum(tf.cast(mask, tf.float64) * (below - 0.5))
 
-    def count_noise(self, key, dp_step, expected_batch_size=None) -> tf.Tensor:
-        """N(0, σ_b²) in float64 from Philox at (key, dp_step) on stream COUNT_STREAM."""
-        seed = draw_seed(key, dp_step, COUNT_STREAM)
-        stddev = tf.cast(self.count_stddev_for(expected_batch_size), tf.float64)
+    def count_noise(self, key, dp_step, expected_batch_size=None, replica=0, replicas: int = 1) -> tf.Tensor:
+        """N(0, σ_b²) in float64 from Philox at (key, dp_step) on stream COUNT_STREAM; under R > 1
+        replicas, replica r's share N(0, σ_b²/R) on its own stream ``count_stream(r, R)``."""
+        stream = COUNT_STREAM if replicas == 1 else count_stream(replica, replicas)
+        seed = draw_seed(key, dp_step, stream)
+        stddev = tf.cast(self.count_stddev_for(expected_batch_size), tf.float64) / replicas**0.5
         return stddev * tf.random.stateless_normal([], seed=seed, dtype=tf.float64, alg="philox")
 
     def next_bound_from_count(self, l2_norm_clip, centred_count, expected_batch_size, key, dp_step) -> tf.Tensor:
         """C_{t+1} = C_t·exp(−η(b̃_t − γ)), b̃_t = (centred count + N(0, σ_b²))/L + ½, in C_t's dtype."""
         noisy = centred_count + self.count_noise(key, dp_step, expected_batch_size)
+        return self._bound_from_noisy_count(l2_norm_clip, noisy, expected_batch_size)
+
+    def _bound_from_noisy_count(self, l2_norm_clip, noisy, expected_batch_size) -> tf.Tensor:
         fraction = noisy / tf.cast(expected_batch_size, tf.float64) + 0.5
         clip = tf.cast(l2_norm_clip, tf.float64)
         updated = clip * tf.exp(-self.learning_rate * (fraction - self.target_quantile))
@@ -144,7 +152,10 @@ class AdaptiveClip:
 
         Args:
           l2_norm_clip: C_t, the bound this step clipped against.
-          squared_norms: [B] float32, ClippedBatch.squared_norms (upper bounds on ‖g_i‖²).
+          squared_norms: [B] float32, ClippedBatch.squared_norms (upper bounds on ‖g_i‖²) of
+            this replica's chunks. Under R > 1 tf.distribute replicas each replica adds a share
+            N(0, σ_b²/R) to its count and the shares are all-reduced with the counts: every
+            replica gets the global count + N(0, σ_b²) (one noise) and the same C_{t+1}.
           mask: [B] 0/1 padding mask.
           expected_batch_size: L (Poisson: expected batch size; explicit batch: its size).
           key: int64 scalar, the run's Philox noise key.
@@ -154,7 +165,12 @@ class AdaptiveClip:
           C_{t+1} = C_t·exp(−η(b̃_t − γ)).
         """
         count = self.centred_count(l2_norm_clip, squared_norms, mask)
-        return self.next_bound_from_count(l2_norm_clip, count, expected_batch_size, key, dp_step)
+        replica, replicas = _replica()
+        if replicas == 1:
+            return self.next_bound_from_count(l2_norm_clip, count, expected_batch_size, key, dp_step)
+        share = self.count_noise(key, dp_step, expected_batch_size, replica, replicas)
+        noisy = summed_over_replicas(count + share)  # the global count + N(0, σ_b²), once
+        return self._bound_from_noisy_count(l2_norm_clip, noisy, expected_batch_size)
 
     def get_config(self) -> dict:
         return {"initial": self.initial, "target_quantile": self.target_quantile,
@@ -167,6 +183,30 @@ class AdaptiveClip:
     def __repr__(self) -> str:
         return (f"AdaptiveClip(initial={self.initial!r}, target_quantile={self.target_quantile!r}, "
                 f"learning_rate={self.learning_rate!r}, count_stddev={self.count_stddev!r})")
+
+
+def count_stream(replica, replicas: int) -> tf.Tensor:
+    """The Philox stream of replica r's share of the count noise under R > 1 replicas:
+    −(2⁴⁰ + r·2²⁰ + R), unique per (r, R), below every other stream (Gaussian ≥ 0, Laplace −1,
+    the single-replica count −2, and the next free small negative codes)."""
+    return -(tf.constant(2**40, tf.int64) + tf.cast(replica, tf.int64) * 2**20 + replicas)
+
+
+def summed_over_replicas(value: tf.Tensor) -> tf.Tensor:
+    """Σ_r value_r over the tf.distribute replicas (the identity outside a replica context or
+    with one replica). Applied to count_r + share_r it gives every replica the same global
+    centred count plus N(0, σ_b²) once (docs/algorithms.md §12)."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return value
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def _replica() -> tuple:
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return 0, 1
+    return context.replica_id_in_sync_group, context.num_replicas_in_sync
 
 
 def _is_number(value) -> bool:

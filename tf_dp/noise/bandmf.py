@@ -72,6 +72,58 @@ def normalized_coefficients(num_bands: int, coefficients: Union[str, Sequence[fl
     return normalized
 
 
+# The marginal-variance table stops once Σ h_k² has converged (relative increment below
+# _VARIANCE_TOLERANCE: after 20–400 terms for "sqrt" with b ≤ 128) or at _VARIANCE_HORIZON terms
+# (only coefficients warned as unstable get there; their noise explodes anyway).
+_VARIANCE_TOLERANCE, _VARIANCE_HORIZON = 1e-10, 4096
+
+
+def inverse_impulse_response(coefficients: np.ndarray, length: int) -> np.ndarray:
+    """h_k = C⁻¹[t, t−k] for k < length: C⁻¹ is lower-triangular Toeplitz too (docs/algorithms.md §10.1).
+
+    h_0 = 1/c_0,  h_k = −(Σ_{j=1}^{min(k, b−1)} c_j h_{k−j}) / c_0, the forward substitution of
+    ``BandMF.privatize`` applied to a unit impulse.
+
+    Args:
+      coefficients: c_0..c_{b−1} (normalised, c_0 > 0).
+      length: how many terms.
+
+    Returns:
+      float64 array [length].
+    """
+    coefficients = np.asarray(coefficients, dtype=np.float64)
+    response = np.zeros(int(length))
+    response[0] = 1.0 / coefficients[0]
+    with np.errstate(over="ignore", invalid="ignore"):  # unstable coefficients (warned) overflow
+        for k in range(1, len(response)):
+            lags = min(k, len(coefficients) - 1)
+            response[k] = -np.dot(coefficients[1:lags + 1], response[k - 1::-1][:lags]) / coefficients[0]
+    return response
+
+
+def marginal_variance_factors(coefficients: np.ndarray) -> np.ndarray:
+    """F_n = Σ_{k=0}^{n} h_k² = Σ_j (C⁻¹[t, j])²: the variance of one coordinate of the released
+    noise w_t per unit of the step's (σC)², at position n = t − (first step of the segment)
+    (docs/algorithms.md §10.5). F_n increases to its limit Σ_k h_k²; F ≡ 1 for b = 1.
+
+    Returns:
+      float64 array, F_0..F_H (H where the sum has converged, at most _VARIANCE_HORIZON terms);
+      positions past H use F_H.
+    """
+    response = inverse_impulse_response(coefficients, 64)
+    while True:
+        with np.errstate(over="ignore", invalid="ignore"):
+            factors = np.cumsum(response * response)
+        factors = np.where(np.isfinite(factors), factors, np.finfo(np.float32).max)
+        large = np.nonzero(response * response > _VARIANCE_TOLERANCE * factors)[0]
+        converged_at = int(large[-1]) + 1 if len(large) else 0
+        if converged_at < len(response) // 2:  # the second half of the terms adds nothing
+            return factors[:converged_at + 1]
+        if len(response) >= _VARIANCE_HORIZON:
+            return factors
+        response = inverse_impulse_response(coefficients, min(2 * len(response), _VARIANCE_HORIZON))
+
+
 def _checked_sequence(num_bands: int, coefficients) -> np.ndarray:
     try:
         raw = np.asarray([float(c) for c in coefficients], dtype=np.float64)
@@ -119,6 +171,8 @@ class _NoiseBuffer:
                 for index, variable in enumerate(variables)
             ]
             self.last_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bandmf_last_step")
+            # The first step of the current segment (the latest start from a zero buffer).
+            self.first_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bandmf_first_step")
         self.shapes = [tuple(variable.shape) for variable in variables]
         self.dtypes = [tf.as_dtype(variable.dtype) for variable in variables]
 
@@ -130,6 +184,7 @@ class _NoiseBuffer:
         for buffer in self.variables:
             buffer.assign(tf.zeros_like(buffer))
         self.last_step.assign(-1)
+        self.first_step.assign(-1)
 
     def has_drawn(self) -> bool:
         return int(self.last_step.numpy()) >= 0
@@ -138,15 +193,22 @@ class _NoiseBuffer:
         """Zeros the slots (in the compiled step) unless ``step`` continues the buffer: the step
         after the latest one written, that step again (a reused counter), or any step after a
         reset. A counter that jumps (a ledger rolled back or moved on without a reset) would
-        otherwise mix another run's w's into this one's."""
+        otherwise mix another run's w's into this one's. A step that starts from a zero buffer
+        (after a reset or a restart) becomes the segment's ``first_step``."""
         last = self.last_step.read_value()
-        continuing = (last < 0) | tf.equal(step, last) | tf.equal(step, last + 1)
+        continuing = tf.equal(step, last) | tf.equal(step, last + 1)
+        starting = (last < 0) | tf.logical_not(continuing)
+        self.first_step.assign(tf.where(starting, step, self.first_step.read_value()))
 
         def restart():
             with tf.control_dependencies([b.assign(tf.zeros_like(b)) for b in self.variables]):
                 return tf.constant(True)
 
-        return tf.cond(continuing, lambda: tf.constant(False), restart)
+        return tf.cond((last < 0) | continuing, lambda: tf.constant(False), restart)
+
+    def position(self) -> tf.Tensor:
+        """n = t − first step of the segment, for the latest step t written (0 before any)."""
+        return tf.maximum(self.last_step.read_value() - self.first_step.read_value(), 0)
 
     def num_bytes(self) -> int:
         return sum(int(np.prod(b.shape)) * b.dtype.size for b in self.variables)
@@ -175,6 +237,7 @@ class BandMF(Privatizer):
         self.num_bands = _checks.positive_int("num_bands", num_bands)
         self.coefficients = normalized_coefficients(self.num_bands, coefficients)
         self._coefficients_config = coefficients if isinstance(coefficients, str) else [float(c) for c in coefficients]
+        self.variance_factors = marginal_variance_factors(self.coefficients)
         self._buffer: Optional[_NoiseBuffer] = None
         self._warned_resume = False
         self._has_drawn = False  # whether this privatizer has drawn for a model (a later reset is no resume)
@@ -182,7 +245,7 @@ class BandMF(Privatizer):
     # -- state --
     def build(self, variables: Sequence) -> None:
         """Creates the zero buffer of b vectors per variable (eagerly, before tracing)."""
-        _refuse_replicas(_strategy_replicas())
+        _refuse_replicas(_strategy_replicas(), self.num_bands)
         variables = list(variables)
         if self.num_bands == 1:
             return
@@ -227,7 +290,7 @@ class BandMF(Privatizer):
         Returns:
           The noisy sums x_t + w_t, one per variable.
         """
-        _refuse_replicas(replicas)
+        _refuse_replicas(replicas, self.num_bands)
         clipped_sums = list(clipped_sums)
         if self.num_bands == 1:  # C = [1]: the very computation of GaussianNoise
             return add_gaussian_noise(clipped_sums, stddev, key, dp_step, replica, replicas)
@@ -260,6 +323,25 @@ class BandMF(Privatizer):
         past = tf.tensordot(tf.cast(past_coefficients, buffer.dtype), buffer.read_value(), axes=1)
         return (fresh - past) / tf.constant(self.coefficients[0], dtype=fresh.dtype)
 
+    # -- what the optimizers' noise-bias corrections need --
+    @property
+    def white_noise(self) -> bool:
+        """Whether the released noise is independent across steps: b = 1 only."""
+        return self.num_bands == 1
+
+    def noise_variance_factor(self) -> tf.Tensor:
+        """F_n = Σ_j (C⁻¹[t, j])², the latest step's per-coordinate noise variance per unit of
+        its (σC)², n its position in the segment (docs/algorithms.md §10.5; 1 for b = 1).
+
+        Read after ``privatize`` in the same step (or after the step): the position is the
+        buffer's. Returns a float32 scalar.
+        """
+        if self.num_bands == 1 or self._buffer is None:
+            return tf.constant(1.0, tf.float32)
+        factors = tf.constant(self.variance_factors, tf.float64)
+        position = tf.minimum(self._buffer.position(), len(self.variance_factors) - 1)
+        return tf.cast(tf.gather(factors, position), tf.float32)
+
     # -- what fit and the ledger need --
     def sampling_arguments(self) -> dict:
         return {"num_bands": self.num_bands}
@@ -275,8 +357,10 @@ def _strategy_replicas() -> int:
     return tf.distribute.get_strategy().num_replicas_in_sync if tf.distribute.has_strategy() else 1
 
 
-def _refuse_replicas(replicas) -> None:
+def _refuse_replicas(replicas, num_bands=None) -> None:
     if isinstance(replicas, int) and replicas > 1:
-        raise ValueError(f"tf_dp.noise.BandMF supports a single replica for now (got {replicas} replicas): each "
-                         "replica would need its own share of the noise buffer. Train without a multi-replica "
-                         "tf.distribute strategy, or use the default Gaussian noise (noise=None).")
+        shown = "BandMF" if num_bands is None else f"BandMF({num_bands})"
+        raise ValueError(f"noise={shown}: tf_dp.noise.BandMF supports a single replica for now (got {replicas} "
+                         "replicas): the correlated noise must act once on the all-reduced global sum with one "
+                         "buffer, while each replica privatizes its own share. Train without a multi-replica "
+                         "tf.distribute strategy, or use the default white Gaussian noise (noise=None) under it.")

@@ -77,6 +77,14 @@ class Privatizer:
         """Arguments the required sampling scheme takes from this privatizer (BandMF: bands)."""
         return {}
 
+    #: Whether the released noise is independent across steps (filters' corrections assume it).
+    white_noise = True
+
+    def noise_variance_factor(self) -> tf.Tensor:
+        """Per-coordinate variance of the latest step's released noise per unit of stddev²
+        (1 for white Gaussian noise; BandMF: docs/algorithms.md §10.5). Float32 scalar."""
+        return tf.constant(1.0, tf.float32)
+
     def get_config(self) -> dict:
         return {}
 

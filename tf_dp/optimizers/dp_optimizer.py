@@ -358,7 +358,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self._averaged_noise_stddev.assign(noise_stddev)
         gradients = transforms.add_public_gradients(gradients, public_gradients)
         self._advance_clip_bound(bound, squared_norms, mask, expected_batch_size, key, dp_step, release)
-        return self._filter_and_update(gradients, variables, tf.square(noise_stddev), replicas)
+        # σ_w²·F_n: the marginal variance of correlated (BandMF) noise, docs/algorithms.md §10.5
+        noise_variance = tf.square(noise_stddev) * self.privatizer.noise_variance_factor()
+        return self._filter_and_update(gradients, variables, noise_variance, replicas)
 
     def _gradient_noise_multiplier(self, sigma, expected_batch_size):
         """σ, or an adaptive bound's σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) (its count takes the rest;
@@ -415,8 +417,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     def noise_variance_on_average(self, dtype) -> tf.Tensor:
         """The per-coordinate noise variance left in what the inner optimizer received at the
-        latest step: σ_w², times A_t for each filter ("transient" correction)."""
+        latest step: σ_w² (times F_n for BandMF, §10.5), times A_t for each filter ("transient"
+        correction)."""
         variance = tf.square(tf.cast(self._averaged_noise_stddev.value, dtype))
+        variance *= tf.cast(self.privatizer.noise_variance_factor(), dtype)
         for part in self.filters:
             attenuation = tf.cast(self.part_state(part)["noise_covariance"].value[0], dtype)
             variance = part.handed_on_variance(attenuation, variance)
