@@ -19,7 +19,7 @@ def run_example(script: str, *flags: str) -> str:
 
 def test_dp_lora_text_example_reports_both_runs_at_the_same_epsilon():
     stdout = run_example(
-        "dp_lora_text.py", "--epochs=1", "--train_examples=400", "--test_examples=200", "--batch_size=100",
+        "dp_lora_text.py", "--epochs=1", "--train_examples=1000", "--test_examples=500", "--batch_size=100",
         "--rank=2", "--target_epsilon=8", "--vocabulary_size=2000", "--embed_dim=16", "--ff_dim=32",
         "--timing_rounds=1", "--timing_steps=2",
     )
