@@ -20,8 +20,10 @@ ruff check tf_dp tests examples benchmarks tools
 # the counts; --durations lists the slowest tests.
 echo "test.sh: the suite ${tier[*]:+(fast tier) }on $processes processes"
 python -m pytest tests -n "$processes" --dist loadfile --durations=15 "${tier[@]}" "$@"
-clipping_tests=(tests/test_clipping.py tests/test_clipping_float_safety.py tests/test_kernel_routes.py
-                tests/test_recurrent_in_graph.py)
+# test_kernel_routes.py's route checks already run each oneDNN setting in a subprocess of its own
+# (TF_ENABLE_ONEDNN_OPTS set there): only its in-process kernel probe depends on this switch.
+clipping_tests=(tests/test_clipping.py tests/test_clipping_float_safety.py tests/test_recurrent_in_graph.py
+                tests/test_kernel_routes.py::test_grouped_kernel_probe_is_cached_and_agrees_with_the_kernel)
 for extra in tests/test_batch_free_inputs.py; do [ -f "$extra" ] && clipping_tests+=("$extra"); done
 onednn_now=$(python -c "from tensorflow.python.util import _pywrap_util_port as p; print(int(p.IsMklEnabled()))" 2>/dev/null | tail -n 1)
 if [ "$onednn_now" = "1" ]; then other=0; else other=1; fi
