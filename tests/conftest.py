@@ -2,11 +2,6 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# XLA's LLVM back end at -O0: compiles the suite's many small XLA functions about a third
-# faster (the HLO passes, which decide what is computed, still run). Inherited by the
-# subprocesses the tests start. Set before TensorFlow loads; a caller's XLA_FLAGS are kept.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
