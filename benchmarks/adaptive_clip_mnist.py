@@ -33,6 +33,17 @@ flags.DEFINE_list("factors", ["fixed", "10", "0.1", "1"], "C_0 / C of each run; 
 flags.DEFINE_string("output", "benchmarks/results/adaptive_clip_mnist.json", "Where to write the JSON results.")
 
 
+class ClipTrace(keras.callbacks.Callback):
+    """C_t at the end of every epoch (public), read from the optimizer's clip variable."""
+
+    def __init__(self):
+        super().__init__()
+        self.clips = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.clips.append(float(self.model.optimizer.l2_norm_clip))
+
+
 def train_one(data, x_train, y_train, x_test, factor: str) -> tuple:
     """One run of the recipe with a fixed C or AdaptiveClip(factor·C); returns (row, inputs)."""
     FLAGS.adaptive_clip = factor != "fixed"
@@ -45,11 +56,11 @@ def train_one(data, x_train, y_train, x_test, factor: str) -> tuple:
             FLAGS.activation, recipe.input_scaling(FLAGS.input_scaling, FLAGS.dataset))
     model.compile(optimizer=recipe.dp_optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"], delta=FLAGS.delta, target_epsilon=FLAGS.target_epsilon)
-    start = time.time()
-    history = model.fit(x_train, y_train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, verbose=0,
-                        callbacks=recipe.training_callbacks()[:-1])
+    start, trace = time.time(), ClipTrace()
+    model.fit(x_train, y_train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, verbose=0,
+              callbacks=recipe.training_callbacks()[:-1] + [trace])
     accuracy = recipe.final_test_accuracy(model, x_test, data.y_test)
-    clips = [float(c) for c in history.history.get("l2_norm_clip", [])]
+    clips = trace.clips
     row = {"factor": factor, "initial_clip": FLAGS.initial_clip_factor * FLAGS.l2_norm_clip,
            "final_clip": float(model.optimizer.l2_norm_clip), "clip_per_epoch": clips,
            "sigma": float(model.optimizer.noise_multiplier), "epsilon": float(model.get_epsilon()),

@@ -23,6 +23,10 @@ Protocol (identical for every optimizer; docs/fiber_study.md has the results):
     noise of variance σ_w² alongside (what v̂ would be with no signal at all).
   * Defaults (``--stage=defaults``): DP-AdamBC, FIBER, DiSK and DP-AdamW untuned (DEFAULT_TRIES:
     old / new variance floor, or two learning rates), on the validation split.
+  * Borrowed (``--stage=borrowed``): the BandMF optimizers at their partner's tuned config
+    (bandmf_sgd at DP-SGD's, bandmf_adamw at DP-AdamW's validation argmax, same seeds), labelled
+    ``bandmf_sgd@dpsgd`` / ``bandmf_adamw@dpadamw``: a paired comparison of the noise alone
+    when the full tuning sweep of the BandMF optimizers is too costly (it favours the partner).
   * Curves (``--stage=curves``): DP-SGD at its tuned config run for T/2, T, 2T and 4T steps, σ
     calibrated for each length (is T long enough for DP-SGD to plateau?).
 
@@ -33,6 +37,7 @@ yields tables (``--stage=report`` prints them) and a rerun resumes where it stop
     python benchmarks/fiber_study.py --task=mnist --stage=ablation --epsilons=0.5
     python benchmarks/fiber_study.py --task=mnist --stage=report
     python benchmarks/fiber_study.py --quick --stage=all               # smoke run
+    python benchmarks/fiber_study.py --task=mnist --stage=borrowed --optimizers=bandmf_sgd,bandmf_adamw --epsilons=2
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ from tf_dp.accounting.bandmf import calibrate_bandmf_noise_multiplier  # noqa: E
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", "mnist", "mnist | fashion_mnist | tweets | transfer (Fashion-MNIST pre-training, "
                     "private MNIST fine-tuning).")
-flags.DEFINE_enum("stage", "main", ["main", "ablation", "diagnostic", "curves", "defaults", "all", "report"],
+flags.DEFINE_enum("stage", "main", ["main", "ablation", "diagnostic", "curves", "defaults", "borrowed", "all",
+                                    "report"],
                   "What to run ('all': main, diagnostic, ablation in turn).")
 flags.DEFINE_list("epsilons", ["0.5", "8", "2", "1", "4"], "Target ε values, in the order they are run.")
 flags.DEFINE_list("optimizers", ["dpsgd", "dpadamw", "dpadambc", "disk", "fiber", "bandmf_sgd", "bandmf_adamw"],
@@ -95,6 +101,7 @@ SPACES = {
     "bandmf_adamw": {"learning_rate": (1e-4, 3e-2, "log")},  # DP-AdamW's space
 }
 BANDMF = ("bandmf_sgd", "bandmf_adamw")  # noise=BandMF(--bands): cyclic Poisson, the amplified BandMF event
+BANDMF_PARTNERS = {"bandmf_sgd": "dpsgd", "bandmf_adamw": "dpadamw"}  # same optimizer, independent noise
 # Ablation variants of FIBER: extra constructor arguments (None: ω tied to κ).
 ABLATIONS = {
     "ema_filter": {"filter": "ema"},
@@ -331,6 +338,21 @@ def run_main(task, data, epsilons):
             tune_and_test(task, data, name, epsilon, latin_hypercube(SPACES[name], FLAGS.configs, seed=0))
 
 
+def run_borrowed(task, data, epsilons):
+    """Each BandMF optimizer at its partner's tuned config (no tuning of its own), the same test
+    seeds as the partner's test runs: paired, the noise being the only change."""
+    records = read_records(FLAGS.output)
+    for epsilon in epsilons:
+        for name in [n for n in FLAGS.optimizers if n in BANDMF]:
+            partner = BANDMF_PARTNERS[name]
+            label, config = f"{name}@{partner}", best_config(records, optimizer=partner, epsilon=epsilon, **run_keys())
+            done = {r["seed"] for r in matching(records, kind="test", optimizer=label, epsilon=epsilon, **run_keys())}
+            for seed in sorted(set(range(FLAGS.seeds)) - done):
+                _, result = train(task, data, "test", name, config, epsilon, seed=seed)
+                append({"kind": "test", "optimizer": label, "epsilon": epsilon, "seed": seed, "config": config,
+                        **result})
+
+
 def ablation_config(base: dict, variant: str) -> dict:
     """FIBER's tuned config; ω = κ for the coupled gain (DiSK's single gain)."""
     return dict(base, omega=base["kappa"]) if ABLATIONS[variant] is None else base
@@ -527,6 +549,7 @@ def untuned(records, keys: dict) -> str:
 CLAIM_PAIRS = [("fiber", "disk"), ("disk", "dpadamw"), ("fiber", "dpadamw"), ("dpadambc", "dpadamw"),
                ("fiber", "dpsgd"),
                ("bandmf_sgd", "dpsgd"), ("bandmf_adamw", "dpadamw"), ("fiber", "bandmf_adamw"),
+               ("bandmf_sgd@dpsgd", "dpsgd"), ("bandmf_adamw@dpadamw", "dpadamw"), ("fiber", "bandmf_adamw@dpadamw"),
                ("fiber", "ablation:ema_filter"), ("fiber", "ablation:coupled_gain"),
                ("fiber", "ablation:full_correction"), ("fiber", "ablation:stationary_correction")]
 
@@ -577,7 +600,7 @@ def main(argv):
         return
     data = load_task(FLAGS.task, FLAGS.train_examples)
     stages = {"main": run_main, "diagnostic": run_diagnostic, "ablation": run_ablation, "curves": run_curves,
-              "defaults": run_defaults}
+              "defaults": run_defaults, "borrowed": run_borrowed}
     for stage in ["main", "diagnostic", "ablation"] if FLAGS.stage == "all" else [FLAGS.stage]:
         stages[stage](FLAGS.task, data, epsilons)
     print(markdown(read_records(FLAGS.output), run_keys()))
