@@ -154,7 +154,9 @@ def clip_bound():
 
 def final_clip_note(model) -> str:
     """With --adaptive_clip, the last clip bound C_T (public); else nothing."""
-    return f", C_0 = {clip_bound().initial:g}, C_T = {float(model.optimizer.l2_norm_clip):.4g}" if FLAGS.adaptive_clip else ""
+    if not FLAGS.adaptive_clip:
+        return ""
+    return f", C_0 = {clip_bound().initial:g}, C_T = {float(model.optimizer.l2_norm_clip):.4g}"
 
 
 class TestSetLogs(keras.callbacks.Callback):
