@@ -1,9 +1,13 @@
-"""A fair study of DP-SGD, DP-AdamW, DP-AdamBC, DiSK and FIBER.
+"""A fair study of DP-SGD, DP-AdamW, DP-AdamBC, DiSK, FIBER and BandMF (MF-DP-FTRL).
 
 Protocol (identical for every optimizer; docs/fiber_study.md has the results):
   * Same step budget T for every optimizer and ε; Poisson batches of expected size L;
     σ calibrated (RDP, δ = 1e-5) by ``tf_dp.accounting.calibrate_noise_multiplier`` so
-    that the T steps on the training rows meet ε.
+    that the T steps on the training rows meet ε. The MF-DP-FTRL baseline the FIBER paper
+    names, ``bandmf_sgd`` / ``bandmf_adamw`` (momentum SGD / AdamW with
+    ``noise=tf_dp.noise.BandMF(--bands)``, docs/algorithms.md §10), samples by cyclic Poisson
+    over b groups and its σ is calibrated to the amplified BandMF event
+    (``calibrate_bandmf_noise_multiplier``): same T, L and ε.
   * Equal tuning budget: ``--configs`` configurations per optimizer AT EACH ε, a Latin
     hypercube (seed 0) over the optimizer's search space (SPACES), each trained on the
     training rows minus a validation split carved from them and scored on that split.
@@ -19,6 +23,10 @@ Protocol (identical for every optimizer; docs/fiber_study.md has the results):
     noise of variance σ_w² alongside (what v̂ would be with no signal at all).
   * Defaults (``--stage=defaults``): DP-AdamBC, FIBER, DiSK and DP-AdamW untuned (DEFAULT_TRIES:
     old / new variance floor, or two learning rates), on the validation split.
+  * Borrowed (``--stage=borrowed``): the BandMF optimizers at their partner's tuned config
+    (bandmf_sgd at DP-SGD's, bandmf_adamw at DP-AdamW's validation argmax, same seeds), labelled
+    ``bandmf_sgd@dpsgd`` / ``bandmf_adamw@dpadamw``: a paired comparison of the noise alone
+    when the full tuning sweep of the BandMF optimizers is too costly (it favours the partner).
   * Curves (``--stage=curves``): DP-SGD at its tuned config run for T/2, T, 2T and 4T steps, σ
     calibrated for each length (is T long enough for DP-SGD to plateau?).
 
@@ -29,6 +37,7 @@ yields tables (``--stage=report`` prints them) and a rerun resumes where it stop
     python benchmarks/fiber_study.py --task=mnist --stage=ablation --epsilons=0.5
     python benchmarks/fiber_study.py --task=mnist --stage=report
     python benchmarks/fiber_study.py --quick --stage=all               # smoke run
+    python benchmarks/fiber_study.py --task=mnist --stage=borrowed --optimizers=bandmf_sgd,bandmf_adamw --epsilons=2
 """
 
 from __future__ import annotations
@@ -49,14 +58,18 @@ from absl import app, flags  # noqa: E402
 import tf_dp  # noqa: E402
 from tf_dp import data as tf_dp_data  # noqa: E402
 from tf_dp.accounting import calibrate_noise_multiplier  # noqa: E402
+from tf_dp.accounting.bandmf import calibrate_bandmf_noise_multiplier  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", "mnist", "mnist | fashion_mnist | tweets | transfer (Fashion-MNIST pre-training, "
                     "private MNIST fine-tuning).")
-flags.DEFINE_enum("stage", "main", ["main", "ablation", "diagnostic", "curves", "defaults", "all", "report"],
+flags.DEFINE_enum("stage", "main", ["main", "ablation", "diagnostic", "curves", "defaults", "borrowed", "all",
+                                    "report"],
                   "What to run ('all': main, diagnostic, ablation in turn).")
 flags.DEFINE_list("epsilons", ["0.5", "8", "2", "1", "4"], "Target ε values, in the order they are run.")
-flags.DEFINE_list("optimizers", ["dpsgd", "dpadamw", "dpadambc", "disk", "fiber"], "Optimizers.")
+flags.DEFINE_list("optimizers", ["dpsgd", "dpadamw", "dpadambc", "disk", "fiber", "bandmf_sgd", "bandmf_adamw"],
+                  "Optimizers.")
+flags.DEFINE_integer("bands", 4, "b of the BandMF optimizers (bandmf_sgd, bandmf_adamw).")
 flags.DEFINE_integer("configs", 12, "Tuning configurations per optimizer and ε.")
 flags.DEFINE_integer("seeds", 3, "Seeds of the final runs.")
 flags.DEFINE_integer("steps", 200, "Step budget T (every optimizer, every ε).")
@@ -84,7 +97,11 @@ SPACES = {
     "dpadambc": BIAS_CORRECTED,
     "disk": {"learning_rate": (1e-4, 3e-2, "log"), **FILTER_GEOMETRY},
     "fiber": {**BIAS_CORRECTED, **FILTER_GEOMETRY, "omega": (0.1, 1.0, "linear")},
+    "bandmf_sgd": {"learning_rate": (3e-3, 1.0, "log")},  # DP-SGD's space (momentum 0.9)
+    "bandmf_adamw": {"learning_rate": (1e-4, 3e-2, "log")},  # DP-AdamW's space
 }
+BANDMF = ("bandmf_sgd", "bandmf_adamw")  # noise=BandMF(--bands): cyclic Poisson, the amplified BandMF event
+BANDMF_PARTNERS = {"bandmf_sgd": "dpsgd", "bandmf_adamw": "dpadamw"}  # same optimizer, independent noise
 # Ablation variants of FIBER: extra constructor arguments (None: ω tied to κ).
 ABLATIONS = {
     "ema_filter": {"filter": "ema"},
@@ -129,6 +146,10 @@ def make_optimizer(name: str, config: dict, sigma: float, seed: int, extra: dict
         return tf_dp.DPSGD(lr, momentum=0.9, **common)
     if name == "dpadamw":
         return tf_dp.DPAdamW(lr, **common)
+    if name == "bandmf_sgd":
+        return tf_dp.DPSGD(lr, momentum=0.9, noise=tf_dp.noise.BandMF(FLAGS.bands), **common)
+    if name == "bandmf_adamw":
+        return tf_dp.DPAdamW(lr, noise=tf_dp.noise.BandMF(FLAGS.bands), **common)
     if name == "dpadambc":
         return tf_dp.DPAdamW(lr, noise_bias_correction=True, variance_floor=config["variance_floor"], **common)
     if name == "disk":
@@ -233,14 +254,19 @@ def _loss():
 
 
 # ----------------------------------------------------------------------------- one run
-def noise_multiplier(epsilon: float, num_examples: int) -> float:
+def noise_multiplier(epsilon: float, num_examples: int, name: str = "dpsgd") -> float:
+    """σ whose T steps meet ε: DP-SGD's Poisson event, or the BandMF optimizers' amplified event
+    PoissonSampled(q_b = b·L/N, G(σ)) composed ⌈T/b⌉ times (docs/algorithms.md §10.3)."""
+    if name in BANDMF:
+        return calibrate_bandmf_noise_multiplier(epsilon, num_examples, FLAGS.batch_size, FLAGS.bands,
+                                                 steps=FLAGS.steps, delta=FLAGS.delta)
     return calibrate_noise_multiplier(epsilon, num_examples, FLAGS.batch_size, steps=FLAGS.steps, delta=FLAGS.delta)
 
 
 def train(task, data, phase, name, config, epsilon, seed, extra=None, steps=None, callbacks=()):
     """Trains one configuration; returns (model, record)."""
     x, y, x_eval, y_eval = data.split(phase)
-    sigma = noise_multiplier(epsilon, len(y))
+    sigma = noise_multiplier(epsilon, len(y), name)
     model = build_model(task, data, seed)
     optimizer = make_optimizer(name, config, sigma, seed, extra)
     model.compile(optimizer=optimizer, loss=_loss(), metrics=["accuracy"], delta=FLAGS.delta)
@@ -250,7 +276,8 @@ def train(task, data, phase, name, config, epsilon, seed, extra=None, steps=None
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     loss, accuracy = model.evaluate(x_eval, y_eval, verbose=0, batch_size=1000)
     accuracy = float(accuracy) if np.isfinite(loss) else 0.0
-    return model, {"accuracy": accuracy, "sigma": sigma, "epsilon_spent": float(model.get_epsilon()),
+    bands = {"bands": FLAGS.bands} if name in BANDMF else {}
+    return model, {"accuracy": accuracy, "sigma": sigma, "epsilon_spent": float(model.get_epsilon()), **bands,
                    "seconds": seconds, "ms_per_step": 1000 * seconds / (steps or FLAGS.steps),
                    "cpu_ms_per_step": 1000 * cpu_seconds / (steps or FLAGS.steps)}
 
@@ -309,6 +336,21 @@ def run_main(task, data, epsilons):
     for epsilon in epsilons:
         for name in FLAGS.optimizers:
             tune_and_test(task, data, name, epsilon, latin_hypercube(SPACES[name], FLAGS.configs, seed=0))
+
+
+def run_borrowed(task, data, epsilons):
+    """Each BandMF optimizer at its partner's tuned config (no tuning of its own), the same test
+    seeds as the partner's test runs: paired, the noise being the only change."""
+    records = read_records(FLAGS.output)
+    for epsilon in epsilons:
+        for name in [n for n in FLAGS.optimizers if n in BANDMF]:
+            partner = BANDMF_PARTNERS[name]
+            label, config = f"{name}@{partner}", best_config(records, optimizer=partner, epsilon=epsilon, **run_keys())
+            done = {r["seed"] for r in matching(records, kind="test", optimizer=label, epsilon=epsilon, **run_keys())}
+            for seed in sorted(set(range(FLAGS.seeds)) - done):
+                _, result = train(task, data, "test", name, config, epsilon, seed=seed)
+                append({"kind": "test", "optimizer": label, "epsilon": epsilon, "seed": seed, "config": config,
+                        **result})
 
 
 def ablation_config(base: dict, variant: str) -> dict:
@@ -506,6 +548,8 @@ def untuned(records, keys: dict) -> str:
 # The seed's claims as paired comparisons (same seed: same initialization, batches and noise stream).
 CLAIM_PAIRS = [("fiber", "disk"), ("disk", "dpadamw"), ("fiber", "dpadamw"), ("dpadambc", "dpadamw"),
                ("fiber", "dpsgd"),
+               ("bandmf_sgd", "dpsgd"), ("bandmf_adamw", "dpadamw"), ("fiber", "bandmf_adamw"),
+               ("bandmf_sgd@dpsgd", "dpsgd"), ("bandmf_adamw@dpadamw", "dpadamw"), ("fiber", "bandmf_adamw@dpadamw"),
                ("fiber", "ablation:ema_filter"), ("fiber", "ablation:coupled_gain"),
                ("fiber", "ablation:full_correction"), ("fiber", "ablation:stationary_correction")]
 
@@ -556,7 +600,7 @@ def main(argv):
         return
     data = load_task(FLAGS.task, FLAGS.train_examples)
     stages = {"main": run_main, "diagnostic": run_diagnostic, "ablation": run_ablation, "curves": run_curves,
-              "defaults": run_defaults}
+              "defaults": run_defaults, "borrowed": run_borrowed}
     for stage in ["main", "diagnostic", "ablation"] if FLAGS.stage == "all" else [FLAGS.stage]:
         stages[stage](FLAGS.task, data, epsilons)
     print(markdown(read_records(FLAGS.output), run_keys()))

@@ -16,6 +16,7 @@ accuracy each epoch, and the final test accuracy and ε (RDP, δ = 1e-5) on its 
     python examples/mnist_dpsgd.py --noise_multiplier=1.1         # a fixed σ instead of a target ε
     python examples/mnist_dpsgd.py --dataset=fashion_mnist        # Fashion-MNIST's recipe
     python examples/mnist_dpsgd.py --features=pixels              # the tutorial CNN on pixels
+    python examples/mnist_dpsgd.py --adaptive_clip --initial_clip_factor=10   # AdaptiveClip from C_0 = 10·C
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
@@ -55,6 +57,11 @@ flags.DEFINE_enum("input_scaling", "centered", ["centered", "standardized"],
 flags.DEFINE_float("learning_rate", None, "SGD learning rate (default: the recipe's).")
 flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
 flags.DEFINE_float("l2_norm_clip", 0.1, "Per-example clip bound C.")
+flags.DEFINE_bool("adaptive_clip", False, "Quantile-adaptive clipping (tf_dp.clipping.AdaptiveClip, docs/algorithms.md "
+                  "§12) started at C_0 = --initial_clip_factor · --l2_norm_clip.")
+flags.DEFINE_float("initial_clip_factor", 1.0, "--adaptive_clip: C_0 as a multiple of --l2_norm_clip.")
+flags.DEFINE_float("target_quantile", 0.5, "--adaptive_clip: γ, the share of examples meant to be unclipped.")
+flags.DEFINE_float("clip_learning_rate", 0.2, "--adaptive_clip: η of C_{t+1} = C_t·exp(−η(b̃_t − γ)).")
 flags.DEFINE_float("noise_multiplier", None, "A fixed σ; when set it overrides --target_epsilon.")
 flags.DEFINE_float("target_epsilon", 3.0, "Calibrate σ to this ε for the planned epochs (unless --noise_multiplier).")
 flags.DEFINE_float("delta", 1e-5, "δ of the (ε, δ) guarantee.")
@@ -63,6 +70,8 @@ flags.DEFINE_integer("epochs", None, "Epochs, ⌈N/L⌉ steps each (default: the
 flags.DEFINE_float("ema_momentum", None, "β of the parameter average θ̄ that is evaluated and kept; 0 = no averaging "
                    "(default: the recipe's).")
 flags.DEFINE_integer("ema_start_step", 0, "Optimizer step at which the average starts (θ̄ = θ before).")
+flags.DEFINE_string("features_cache", None, "A .npz file of the scattering features (computed and written if absent, "
+                    "read if present; no noise, key or batch in it): reruns skip the minutes of the transform.")
 flags.DEFINE_integer("train_examples", None, "Use only the first N training examples (smoke tests).")
 flags.DEFINE_enum("accountant", "rdp", ["rdp", "pld"], "Privacy accountant.")
 define_seed_flags()
@@ -112,20 +121,42 @@ def model_and_inputs(data, x_train):
     once, or the pixels)."""
     if FLAGS.features == "pixels":
         return tutorial_cnn(FLAGS.activation, input_scaling(FLAGS.input_scaling, FLAGS.dataset)), x_train, data.x_test
+    if FLAGS.features_cache and os.path.exists(FLAGS.features_cache):
+        with np.load(FLAGS.features_cache) as cached:
+            if len(cached["train"]) == len(x_train) and len(cached["test"]) == len(data.x_test):
+                print(f"scattering features read from {FLAGS.features_cache}")
+                return scatternet_cnn(FLAGS.activation), cached["train"], cached["test"]
     start = time.time()
     print(f"scattering features (J = 2, L = 8) of the {len(x_train)} training and {len(data.x_test)} test images:")
     train = tf_dp.features.scattering_features(x_train, progress=True)
     test = tf_dp.features.scattering_features(data.x_test, progress=True)
     print(f"scattering features of {len(train) + len(test)} images: {train.shape[1:]} each, "
           f"{time.time() - start:.0f} s")
+    if FLAGS.features_cache:
+        np.savez(FLAGS.features_cache, train=train, test=test)
     return scatternet_cnn(FLAGS.activation), train, test
 
 
 def dp_optimizer() -> tf_dp.DPSGD:
     """DP-SGD with momentum; with --ema_momentum > 0 it keeps the average θ̄ of the iterates."""
     averaging = {"use_ema": True, "ema_momentum": FLAGS.ema_momentum} if FLAGS.ema_momentum > 0 else {}
-    return tf_dp.DPSGD(FLAGS.learning_rate, l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=FLAGS.noise_multiplier,
+    return tf_dp.DPSGD(FLAGS.learning_rate, l2_norm_clip=clip_bound(), noise_multiplier=FLAGS.noise_multiplier,
                        momentum=FLAGS.momentum, seed=noise_seed(), **averaging)
+
+
+def clip_bound():
+    """C, or with --adaptive_clip ``AdaptiveClip`` from C_0 = factor·C (σ_b = L/20; docs/algorithms.md §12)."""
+    if not FLAGS.adaptive_clip:
+        return FLAGS.l2_norm_clip
+    return tf_dp.clipping.AdaptiveClip(FLAGS.initial_clip_factor * FLAGS.l2_norm_clip,
+                                       target_quantile=FLAGS.target_quantile, learning_rate=FLAGS.clip_learning_rate)
+
+
+def final_clip_note(model) -> str:
+    """With --adaptive_clip, the last clip bound C_T (public); else nothing."""
+    if not FLAGS.adaptive_clip:
+        return ""
+    return f", C_0 = {clip_bound().initial:g}, C_T = {float(model.optimizer.l2_norm_clip):.4g}"
 
 
 class TestSetLogs(keras.callbacks.Callback):
@@ -184,7 +215,7 @@ def main(argv):
     warn_if_fixed_noise()
     print(f"final: test accuracy = {accuracy:.4f}, epsilon = {model.get_epsilon():.3f} "
           f"(delta = {FLAGS.delta:g}, {FLAGS.accountant.upper()}, sigma = {model.optimizer.noise_multiplier:.4f}, "
-          f"{steps} Poisson steps, {time.time() - start:.0f} s)")
+          f"{steps} Poisson steps, {time.time() - start:.0f} s{final_clip_note(model)})")
 
 
 if __name__ == "__main__":

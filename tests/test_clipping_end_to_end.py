@@ -87,3 +87,26 @@ def test_per_layer_policy_through_the_optimizer_matches_a_loop():
     model.train_on_batch(x, y, batch_size=BATCH)
     for v, b, e in zip(model.trainable_variables, before, expected):
         np.testing.assert_allclose(b - v.numpy(), e / BATCH, rtol=2e-4, atol=1e-7)
+
+
+def test_fit_logs_the_adaptive_bound_of_each_epoch_and_no_bound_when_fixed():
+    """C_t is public: History's ``l2_norm_clip`` is the optimizer's bound read at each epoch's end."""
+
+    class ReadBound(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.bounds = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.bounds.append(self.model.optimizer.l2_norm_clip)
+
+    x, y = np.random.randn(64, 4).astype("float32"), np.random.randint(0, 3, 64).astype("int32")
+    for clip in (AdaptiveClip(0.01, learning_rate=0.5), 1.0):
+        model, read = two_layer_model(), ReadBound()
+        model.compile(optimizer=tf_dp.DPSGD(0.1, l2_norm_clip=clip, noise_multiplier=1.0), loss=sparse_ce)
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[read])
+        if isinstance(clip, AdaptiveClip):
+            assert history.history["l2_norm_clip"] == pytest.approx(read.bounds, rel=1e-6)
+            assert read.bounds[-1] != pytest.approx(0.01)  # the bound moved
+        else:
+            assert "l2_norm_clip" not in history.history

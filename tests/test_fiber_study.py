@@ -82,3 +82,36 @@ def test_untuned_defaults_stage_runs_each_try_once_and_the_report_lists_them(tmp
                             text=True, timeout=600).stdout
     for name, label in want:
         assert f"| {name}, {label} |" in report
+
+
+def _dp_accounting_epsilon(rate, sigma, count, delta=1e-5):
+    """dp_accounting directly (RDP): the Poisson-sampled Gaussian composed ``count`` times."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    accountant.compose(dp_event.PoissonSampledDpEvent(rate, dp_event.GaussianDpEvent(sigma)), count)
+    return accountant.get_epsilon(delta)
+
+
+def test_bandmf_baselines_carry_bandmf_noise_and_sigma_meets_the_amplified_event_of_dp_accounting():
+    from absl import flags
+
+    import tf_dp
+
+    study = _study()
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(["fiber_study"])  # the defaults: T = 200, L = 64, b = 4
+    steps, batch, bands, rows = flags.FLAGS.steps, flags.FLAGS.batch_size, flags.FLAGS.bands, 8000
+    for name in study.BANDMF:
+        assert name in study.SPACES and name in flags.FLAGS.optimizers
+        sigma = study.noise_multiplier(1.0, rows, name)
+        # b·L/N sampling, ⌈T/b⌉ rounds: ε ≤ 1 at σ, and the calibration is tight (0.1 %)
+        assert _dp_accounting_epsilon(bands * batch / rows, sigma, math.ceil(steps / bands)) <= 1.0
+        assert _dp_accounting_epsilon(bands * batch / rows, 0.995 * sigma, math.ceil(steps / bands)) > 1.0
+        optimizer = study.make_optimizer(name, {"learning_rate": 1e-3}, sigma, seed=0)
+        assert isinstance(optimizer.privatizer, tf_dp.noise.BandMF) and optimizer.privatizer.num_bands == bands
+    # DP-SGD's σ is its own Poisson event's (rate L/N, T steps), not the BandMF one
+    sigma = study.noise_multiplier(1.0, rows, "dpsgd")
+    assert _dp_accounting_epsilon(batch / rows, sigma, steps) <= 1.0
+    assert _dp_accounting_epsilon(batch / rows, 0.995 * sigma, steps) > 1.0

@@ -13,7 +13,8 @@ _UNBOUNDED = 10**8  # more steps than any run takes: the budget does not bind
 
 
 class PrivacyReport(keras.callbacks.Callback):
-    """Adds ``epsilon`` (all steps so far, at the model's δ) to each epoch's logs.
+    """Adds ``epsilon`` (all steps so far, at the model's δ) to each epoch's logs, and with an
+    ``AdaptiveClip`` bound the current (public) clip bound C_t as ``l2_norm_clip``.
 
     Before the first step it re-records the running phase in the ledger, so that a ledger
     restored by a later callback's ``on_train_begin`` (BackupAndRestore) is extended, not
@@ -41,6 +42,8 @@ class PrivacyReport(keras.callbacks.Callback):
             attenuation = getattr(optimizer, "attenuation", None)
             if attenuation is not None:  # FIBER: noise std left in the filtered gradient
                 logs["filtered_noise_std"] = float(attenuation**0.5 * logs["noise_std"])
+            if getattr(optimizer, "adaptive_clip", None) is not None:  # C_t is public (docs/algorithms.md §12)
+                logs["l2_norm_clip"] = optimizer.l2_norm_clip
 
 
 class PrivacyBudget(keras.callbacks.Callback):
