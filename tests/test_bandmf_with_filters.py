@@ -119,8 +119,8 @@ def test_a_jumped_counter_restarts_the_marginal_variance():
 FILTERED_WITH_CORRECTION = {
     "disk_adamw": lambda noise: tf_dp.DiSK(noise_multiplier=1.0, noise=noise, noise_bias_correction=True),
     "disk_adam": lambda noise: tf_dp.DiSK(base="adam", noise_multiplier=1.0, noise=noise, noise_bias_correction=True),
-    "disk_stationary": lambda noise: tf_dp.optimizers.DiSKAdamW(noise_multiplier=1.0, noise=noise, noise_bias_correction=True,
-                                                                correction="stationary"),
+    "disk_stationary": lambda noise: tf_dp.optimizers.DiSKAdamW(
+        noise_multiplier=1.0, noise=noise, noise_bias_correction=True, correction="stationary"),
     "fiber": lambda noise: tf_dp.FIBER(noise_multiplier=1.0, noise=noise),
     "fiber_full": lambda noise: tf_dp.FIBER(noise_multiplier=1.0, noise=noise, correction="full"),
     "fiber_stationary": lambda noise: tf_dp.FIBER(noise_multiplier=1.0, noise=noise, correction="stationary"),
