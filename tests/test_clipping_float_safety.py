@@ -330,6 +330,39 @@ def test_long_sequences_take_explicit_float64_products_never_a_t_by_t_gram():
     assert not quadratic, quadratic
 
 
+def test_short_sequences_through_wide_kernels_take_the_gram_form_never_per_example_kernels():
+    """T·(d + k) < d·k (FIBER's two evaluation points through a 512 × 512 kernel): the Gram
+    matrices [P, T, T], never the [P, d, k] products (256 MB at P = 256, 7.8× FIBER's MLP step)."""
+    @tf.function(input_signature=[tf.TensorSpec([32, 2, 512]), tf.TensorSpec([32, 2, 512])])
+    def norms(a, s):
+        return dense.DenseContribution(a, s, has_bias=True, flat=False).squared_norms()
+
+    graph = norms.get_concrete_function().graph
+    per_example_kernels = [op.name for op in graph.get_operations()
+                           for t in op.outputs if t.shape.rank == 3 and t.shape[1:] == [512, 512]]
+    assert not per_example_kernels, per_example_kernels
+
+
+def test_short_sequence_gram_form_norms_and_clipped_sums_match_float64():
+    rng = np.random.default_rng(11)
+    steps, width, out = 2, 48, 40
+    contribution = dense.DenseContribution(tf.zeros([3, steps, width]), tf.zeros([3, steps, out]), True, False)
+    assert contribution._uses_gram_form()
+    inputs = keras.Input((steps, width))
+    model = keras.Model(inputs, keras.layers.Dense(out)(inputs))
+    x = rng.normal(size=(3, steps, width)).astype("float32")
+    x[0, 1] = -x[0, 0] + 1e-3  # cancelling positions
+    r = rng.normal(size=(3, steps, out)).astype("float32")
+    truth = _dense_truth(x, r)
+    clip = float(np.median(_norms(truth)))
+    result = clipped_gradient_sum(model, linear_loss, tf.constant(x), tf.constant(r), tf.ones(3), tf.constant(clip))
+    np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), _norms(truth), rtol=1e-5)
+    factors = np.minimum(1.0, clip / _norms(truth))
+    expected = [np.tensordot(factors, g, axes=1) for g in truth]
+    for got, want in zip(result.clipped_sums, expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
+
+
 def test_long_sequence_norms_and_clipped_sums_match_float64():
     rng = np.random.default_rng(7)
     steps, width, out = 5000, 3, 2

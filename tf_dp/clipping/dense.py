@@ -58,9 +58,10 @@ class DenseContribution(Contribution):
         with Ñ_i² = Σ_{t,t'} (a_it·a_it')(s_it·s_it'), released Aᵀ(c ⊙ S) in float64.
 
     The explicit form costs T·d·k per example and holds [P, d, k]; the Gram form costs
-    T²(d+k) on top of the same T·d·k for its clipped sum and holds [P, T, T]. The explicit
-    form is used wherever [P, d, k] fits EXPLICIT_FLOATS, however long T is (a 224² image's
-    first conv: T = 12,544 positions, [P, T, T] in float64 = 40 GB at P = 32, d·k = 9,408).
+    T²(d+k) on top of the same T·d·k for its clipped sum and holds [P, T, T]. The Gram form
+    is used where it is the cheaper one and fits EXPLICIT_FLOATS (T·(d+k) < d·k), the explicit
+    one otherwise wherever [P, d, k] fits, however long T is (a 224² image's first conv:
+    T = 12,544 positions, [P, T, T] in float64 = 40 GB at P = 32, d·k = 9,408).
     """
 
     def __init__(self, activations, output_grads, has_bias: bool, flat: bool):
@@ -100,11 +101,22 @@ class DenseContribution(Contribution):
         return tf.float64 if coarse else self.s.dtype
 
     def _uses_gram_form(self) -> bool:
-        """The Gram form only where the explicit [P, d, k] products exceed EXPLICIT_FLOATS
-        float32 units (a long T alone calls for float64 explicit products, not for [P, T, T])."""
-        examples, d, k = self.a.shape[0], self.a.shape[2], self.s.shape[2]
+        """The cheaper form that fits EXPLICIT_FLOATS float32 units, else the Gram form.
+
+        Per example the explicit products cost T·d·k and hold d·k floats, the Gram matrices
+        T²·(d + k) and T² float64s. The Gram form is taken where it is cheaper (a short T with
+        wide layers: FIBER's two evaluation points, T = 2, through a 512 × 512 kernel) and its
+        [P, T, T] fits, or where the explicit [P, d, k] does not fit (a long T alone calls for
+        float64 explicit products, not for [P, T, T]). T unknown when tracing: explicit if it fits.
+        """
+        examples, steps, d, k = self.a.shape[0], self.a.shape[1], self.a.shape[2], self.s.shape[2]
+        if examples is None:
+            return False
         width = 2 if self._explicit_dtype() == tf.float64 else 1
-        return examples is not None and width * examples * d * k > EXPLICIT_FLOATS
+        explicit_fits = width * examples * d * k <= EXPLICIT_FLOATS
+        gram_cheaper = steps is not None and steps * (d + k) < d * k
+        gram_fits = steps is not None and 2 * examples * steps * steps <= EXPLICIT_FLOATS
+        return (gram_cheaper and gram_fits) or not explicit_fits
 
     def _summed_dtype(self):
         """Precision of the per-example sums over T (kernel and bias) and of what is released."""
