@@ -59,9 +59,8 @@ def test_k_views_are_averaged_before_clipping_in_both_engines(engine):
     model = cnn()
     x, y = views_batch(scale=3.0)
     mask = np.array([1, 1, 1, 1, 0], np.float32)  # a padding row contributes nothing
-    model._augmentation_views = AugmentationViews(3, view_axis=True)
     result = clipped_gradient_sum(model, per_example_loss(LOSS), tf.constant(x), tf.constant(y), tf.constant(mask),
-                                  tf.constant(CLIP), engine=engine)
+                                  tf.constant(CLIP), engine=engine, views=AugmentationViews(3, view_axis=True))
     expected, norms = loop_reference(model, x, y, mask, 3)
     assert np.all(norms > CLIP)  # every example is clipped: averaging after clipping would differ
     np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy())[:4], norms[:4], rtol=1e-3)
@@ -73,9 +72,9 @@ def test_k_views_are_averaged_before_clipping_in_both_engines(engine):
 def test_k_views_of_one_example_contribute_one_vector_of_norm_at_most_c(engine):
     model = cnn()
     x, y = views_batch(p=1, k=4, scale=50.0)
-    model._augmentation_views = AugmentationViews(4, view_axis=True)
     result = clipped_gradient_sum(model, per_example_loss(LOSS), tf.constant(x), tf.constant(y),
-                                  tf.constant([1.0]), tf.constant(CLIP), engine=engine)
+                                  tf.constant([1.0]), tf.constant(CLIP), engine=engine,
+                                  views=AugmentationViews(4, view_axis=True))
     flat = np.concatenate([np.asarray(g, np.float64).ravel() for g in result.clipped_sums])
     assert np.linalg.norm(flat) <= CLIP * (1 + 1e-5)
     assert np.linalg.norm(flat) >= CLIP * (1 - 1e-3)  # clipped to C, not K·C, not C/K
@@ -96,8 +95,7 @@ def test_one_view_is_todays_step_bit_for_bit():
     model = cnn()
     args = [tf.constant(v) for v in (x[:8], y[:8], np.ones(8, np.float32), CLIP)]
     plain = clipped_gradient_sum(model, per_example_loss(LOSS), *args)
-    model._augmentation_views = ONE_VIEW
-    again = clipped_gradient_sum(model, per_example_loss(LOSS), *args)
+    again = clipped_gradient_sum(model, per_example_loss(LOSS), *args, views=ONE_VIEW)
     for a, b in zip(plain.clipped_sums, again.clipped_sums):
         np.testing.assert_array_equal(a, b)
 
@@ -132,9 +130,8 @@ def test_fit_with_augment_and_k_views_takes_the_step_the_loop_computes_and_keeps
 def test_in_model_random_layers_give_the_views_and_each_example_stays_within_c():
     model = cnn(random_layer=True)
     x, y = views_batch(p=1, k=1, scale=50.0)
-    model._augmentation_views = AugmentationViews(3, view_axis=False)
     result = clipped_gradient_sum(model, per_example_loss(LOSS), tf.constant(x[:, 0]), tf.constant(y),
-                                  tf.constant([1.0]), tf.constant(CLIP))
+                                  tf.constant([1.0]), tf.constant(CLIP), views=AugmentationViews(3, view_axis=False))
     flat = np.concatenate([np.asarray(g, np.float64).ravel() for g in result.clipped_sums])
     assert np.linalg.norm(flat) <= CLIP * (1 + 1e-5)
     rng = np.random.default_rng(2)

@@ -80,10 +80,10 @@ def test_per_user_norms_and_clipped_sum_match_a_per_user_loop(engine, weighted):
     y = rng.integers(0, 4, (users, m)).astype("int32")  # each example its own label
     mask = np.array([1, 1, 1, 1, 0], np.float32)
     weights = rng.uniform(0.2, 2.0, (users, m)).astype("float32") if weighted else None
-    model._augmentation_views = AugmentationViews(m, view_axis=True, targets_per_view=True)
     targets = tf.constant(y) if weights is None else WeightedTargets(tf.constant(y), tf.constant(weights))
     result = clipped_gradient_sum(model, per_example_loss(LOSS), tf.constant(x), targets, tf.constant(mask),
-                                  tf.constant(CLIP), engine=engine)
+                                  tf.constant(CLIP), engine=engine,
+                                  views=AugmentationViews(m, view_axis=True, targets_per_view=True))
     expected, norms = per_user_loop(model, x, y, mask, weights)
     assert np.all(norms > CLIP)  # every user is clipped: clipping per example would differ
     np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy())[:4], norms[:4], rtol=1e-3)
@@ -96,9 +96,9 @@ def test_a_users_examples_with_different_labels_are_not_one_shared_label():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(2, 3, 6, 6, 2)).astype("float32")
     y = np.array([[0, 1, 2], [3, 0, 1]], np.int32)
-    model._augmentation_views = AugmentationViews(3, view_axis=True, targets_per_view=True)
     result = clipped_gradient_sum(model, per_example_loss(LOSS), tf.constant(x), tf.constant(y),
-                                  tf.constant([1.0, 1.0]), tf.constant(CLIP))
+                                  tf.constant([1.0, 1.0]), tf.constant(CLIP),
+                                  views=AugmentationViews(3, view_axis=True, targets_per_view=True))
     shared, _ = per_user_loop(model, x, np.repeat(y[:, :1], 3, axis=1), np.ones(2))
     own, _ = per_user_loop(model, x, y, np.ones(2))
     np.testing.assert_allclose(flat(result.clipped_sums), own, rtol=2e-3, atol=2e-5)

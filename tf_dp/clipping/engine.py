@@ -80,7 +80,7 @@ class AugmentationViews:
     between views enter the per-example norm exactly. ``view_axis``: the inputs carry the K
     views on axis 1 (made by the data loader); else the K passes see the same inputs and
     the views come from the model's own random layers (e.g. RandomFlip in training mode).
-    A model's ``_augmentation_views`` (set by ``fit``) selects them; default: one view.
+    The train step passes its plan's views to ``clipped_gradient_sum``; default: one view.
     ``targets_per_view``: y (and its sample weights) carry the views on axis 1 as well —
     user-level DP (docs/algorithms.md §11), where view j is the user's j-th example with its
     own label: u = (1/m) Σ_j ∇ℓ(θ; x_{u,j}, y_{u,j})."""
@@ -350,6 +350,7 @@ def clipped_gradient_sum(
     engine: str = "ghost",
     points: Sequence[EvaluationPoint] = CURRENT_WEIGHTS,
     clipping: Optional[ClippingPolicy] = FLAT,
+    views: AugmentationViews = ONE_VIEW,
 ) -> ClippedBatch:
     """Σ_i mask_i · c_i · u_i over the batch, with the per-example observation
     u_i = Σ_k a_k ∇ℓ(θ_k; x_i) (u_i = g_i for DP-SGD) flat over ``model.trainable_variables``;
@@ -360,13 +361,15 @@ def clipped_gradient_sum(
         FlatClip: c_i = min(1, C/‖u_i‖)). Group k of its layers gets the factors c_i^k the
         policy computes from the group's squared norms; ``squared_norms`` of the result stay
         the flat ‖u_i‖² (upper bounds) whatever the policy.
+      views: the views of each unit on x (and y), averaged before clipping
+        (docs/algorithms.md §8, §11); the train step passes its plan's.
 
     Returns:
       A ClippedBatch: Σ_i c_i^k u_i^k per trainable variable, predictions, per-example
       losses and flat squared norms.
     """
     clipping = resolve_clipping(clipping)
-    points = with_views(points, getattr(model, "_augmentation_views", ONE_VIEW))
+    points = with_views(points, views)
     x, y, mask = tf.nest.map_structure(tf.convert_to_tensor, (x, y, mask))  # numpy arrays (labels) too
     if engine == "ghost":
         return _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, clipping=clipping)

@@ -110,6 +110,8 @@ class T5LayerNormRule(KerasRMSNormalizationRule):
 
 register_ghost_rule(keras.layers.RMSNormalization, KerasRMSNormalizationRule())
 register_ghost_rule(keras.layers.GroupNormalization, GroupNormalizationRule())
+# keras-hub exports none of these three (keras_hub.layers.RMSNormalization is another class, with
+# no rule here): they are keyed by the private module that defines them, matched without importing it.
 register_ghost_rule_by_name("keras_hub.src.models.gemma.rms_normalization.RMSNormalization",
                             GemmaRMSNormalizationRule())
 register_ghost_rule_by_name("keras_hub.src.models.llama.llama_layernorm.LlamaLayerNorm", KerasRMSNormalizationRule())

@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp.clipping.layer_per_example import MaterializedContribution
-from tf_dp.clipping.registry import GhostRule, Recording, register_ghost_rule_by_name
+from tf_dp.clipping.registry import GhostRule, Recording, register_ghost_rule_by_public_name
 
 
 class PositionEmbeddingRule(GhostRule):
@@ -45,5 +45,5 @@ class PositionEmbeddingRule(GhostRule):
         return MaterializedContribution([total])
 
 
-register_ghost_rule_by_name("keras_hub.src.layers.modeling.position_embedding.PositionEmbedding",
-                            PositionEmbeddingRule())
+# keras-hub's public name, resolved once keras_hub is imported (tf_dp never imports it).
+register_ghost_rule_by_public_name("keras_hub.layers.PositionEmbedding", PositionEmbeddingRule())

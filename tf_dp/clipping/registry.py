@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import inspect
+import sys
 from typing import Any, Callable, Optional
 
 import keras
@@ -104,6 +105,7 @@ def unit_variables(layer) -> list:
 
 _RULES: dict[type, GhostRule] = {}
 _RULES_BY_NAME: dict[str, GhostRule] = {}  # "module.Class" of optional packages (keras-hub), never imported here
+_RULES_BY_PUBLIC_NAME: dict[str, GhostRule] = {}  # "package.api.Class" exports, resolved once the package is loaded
 
 
 def register_ghost_rule(layer_class: type, rule: GhostRule) -> None:
@@ -116,9 +118,42 @@ def register_ghost_rule(layer_class: type, rule: GhostRule) -> None:
 
 
 def register_ghost_rule_by_name(qualified_name: str, rule: GhostRule) -> None:
-    """Registers ``rule`` for the class named ``module.QualName`` (a class of an optional
-    package such as keras-hub, matched without importing it)."""
+    """Registers ``rule`` for the class defined as ``module.QualName`` (a class of an
+    optional package such as keras-hub, matched without importing it). Prefer
+    ``register_ghost_rule_by_public_name`` where the package exports the class: the module
+    that defines it is private to the package and may move."""
     _RULES_BY_NAME[qualified_name] = rule
+
+
+def register_ghost_rule_by_public_name(public_name: str, rule: GhostRule) -> None:
+    """Registers ``rule`` for the class an optional package exports as ``public_name``
+    ("keras_hub.layers.ReversibleEmbedding": the module ``keras_hub.layers``, its attribute
+    ``ReversibleEmbedding``). tf_dp never imports the package: the name is resolved on the
+    first rule lookup after the exporting module has been loaded (by the user's own import),
+    and the rule is then registered for that class, unless one is registered for it already.
+
+    Args:
+      public_name: "module.Attribute", the module the package documents the class under.
+      rule: the GhostRule for that class.
+    """
+    if not isinstance(rule, GhostRule):
+        raise TypeError(f"`rule` must be a tf_dp.clipping.GhostRule, got {type(rule).__name__}.")
+    module, _, attribute = public_name.rpartition(".")
+    if not module or not attribute:
+        raise ValueError(f"`public_name` must be 'module.Attribute', got {public_name!r}.")
+    _RULES_BY_PUBLIC_NAME[public_name] = rule
+
+
+def _resolve_public_names() -> None:
+    """Keys the rules of public names whose module is loaded by their classes (without
+    importing anything); a name the loaded package does not export stays unresolved, so
+    its layers take the per-example replay."""
+    for public_name in list(_RULES_BY_PUBLIC_NAME):
+        module_name, _, attribute = public_name.rpartition(".")
+        cls = getattr(sys.modules.get(module_name), attribute, None)
+        rule = _RULES_BY_PUBLIC_NAME.pop(public_name, None) if isinstance(cls, type) else None
+        if rule is not None:  # (None also when another thread resolved it first)
+            _RULES.setdefault(cls, rule)
 
 
 def _registered_rule(cls) -> Optional[GhostRule]:
@@ -132,6 +167,8 @@ def ghost_rule_for(layer) -> Optional[GhostRule]:
     C's ``call`` unchanged: a subclass with its own ``call`` computes something else (a
     Dense subclass adding a term, keras-hub's ReversibleEmbedding), so it falls back to the
     per-example replay unless a rule is registered for the subclass itself."""
+    if _RULES_BY_PUBLIC_NAME:
+        _resolve_public_names()
     for cls in type(layer).__mro__:
         rule = _registered_rule(cls)
         if rule is not None:

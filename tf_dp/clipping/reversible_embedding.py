@@ -43,7 +43,7 @@ from tf_dp.clipping.dense import dense_contribution
 from tf_dp.clipping.embedding import EmbeddingContribution, in_range_ids, zero_invalid
 from tf_dp.clipping.lora import lora_enabled
 from tf_dp.clipping.registry import (CombinedContribution, Contribution, GhostRule, Recording,
-                                     register_ghost_rule, register_ghost_rule_by_name)
+                                     register_ghost_rule, register_ghost_rule_by_public_name)
 
 LOOKUP, PROJECTION = "lookup", "projection"
 
@@ -181,4 +181,5 @@ class ReversibleEmbeddingRule(GhostRule):
 _RULE = ReversibleEmbeddingRule()
 if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras ≥ 3.12 (what keras-hub 0.32 uses)
     register_ghost_rule(keras.layers.ReversibleEmbedding, _RULE)
-register_ghost_rule_by_name("keras_hub.src.layers.modeling.reversible_embedding.ReversibleEmbedding", _RULE)
+# keras-hub's public name, resolved once keras_hub is imported (tf_dp never imports it).
+register_ghost_rule_by_public_name("keras_hub.layers.ReversibleEmbedding", _RULE)

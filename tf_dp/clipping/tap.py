@@ -72,17 +72,27 @@ class LayerTap:
         self.mixed_calls = set()  # ids of layers called with batched and batch-free tensors together
 
     def __enter__(self):
-        for layer, rule in self.units:
-            original_call = type(layer).call.__get__(layer)
-            object.__setattr__(layer, "call", self._recording_call(layer, rule, original_call))
         _ReadWatch.enter(self)
+        try:
+            for layer, rule in self.units:
+                original_call = type(layer).call.__get__(layer)
+                object.__setattr__(layer, "call", self._recording_call(layer, rule, original_call))
+        except BaseException:
+            self._restore()  # __exit__ does not run when __enter__ raises
+            raise
         return self
 
     def __exit__(self, *exc):
-        for layer, _ in self.units:
-            layer.__dict__.pop("call", None)
-        _ReadWatch.exit(self)
+        self._restore()
         return False
+
+    def _restore(self):
+        """The layers' own calls back, and this tap's read watch closed, whatever raised."""
+        try:
+            for layer, _ in self.units:
+                layer.__dict__.pop("call", None)
+        finally:
+            _ReadWatch.exit(self)
 
     def _note_read(self, variable):
         owner = self._owners.get(id(variable))
@@ -239,10 +249,31 @@ class LayerTap:
 
 
 class _ReadWatch:
-    """Wraps Keras' ``Variable.value`` (every read of a Keras variable goes through it) while
-    any tap is open, reporting reads to the taps open in the reading thread (replicas of a
-    tf.distribute step run in threads, each with its own tap). Installed once for all open
-    taps, removed when the last one closes."""
+    """Reports each read of a Keras variable to the taps open in the reading thread.
+
+    Every read of a Keras 3 variable goes through the ``Variable.value`` property
+    (``keras.src.backend.common.variables``), and nothing else in Keras sees reads, so while
+    any tap is open that property is wrapped; the wrapper is installed once for all open taps
+    and the original restored when the last one closes (``LayerTap`` closes its watch in a
+    ``finally``, also when the traced forward pass raises). The taps are thread-local: a
+    thread without an open tap (another model, another replica of a tf.distribute step, each
+    replica with its own tap) reads through the wrapper the value it would read anyway, and
+    its reads reach no tap; nested taps in one thread all see that thread's reads.
+
+    Why Keras' own scopes do not fit. ``keras.StatelessScope`` is the one hook inside
+    ``Variable.value`` (``scope.get_current_value(variable)``), and a subclass could note the
+    read there, but (1) the property asks only the innermost stateless scope, so a scope
+    opened inside the tap — the engine's own forward pass at other weights
+    (``engine.forward``, DiSK/FIBER's θ + γd), or one in a user's layer — would hide its reads
+    and a shared weight would be missed (a per-example gradient short of a term: sensitivity
+    above C); and (2) inside any stateless scope Keras defers every ``Variable.assign``
+    (BatchNormalization's moving statistics, the seed generators of Dropout and random
+    augmentation layers), drops ``add_loss`` unless ``collect_losses``, and refuses or defers
+    creating variables, so the tapped forward pass would no longer be the model's ordinary
+    one. The layer call context (``keras.src.layers.layer.CallContext``) carries only the
+    training flag and the entry layer and sees no reads; ``tf.variable_creator_scope`` sees
+    creation only.
+    """
 
     _lock = threading.Lock()
     _open = 0
@@ -253,26 +284,36 @@ class _ReadWatch:
     def enter(cls, tap):
         with cls._lock:
             if cls._open == 0:
-                cls._original = keras_variables.Variable.value
-                original = cls._original
-
-                def value(variable):
-                    for open_tap in getattr(cls._local, "taps", ()):
-                        open_tap._note_read(variable)
-                    return original.fget(variable)
-
-                keras_variables.Variable.value = property(value)
+                cls._original = keras_variables.Variable.__dict__["value"]
+                keras_variables.Variable.value = property(cls._watched_read(cls._original.fget))
             cls._open += 1
-        cls._local.taps = getattr(cls._local, "taps", ()) + (tap,)
+        cls._local.taps = cls.taps_of_this_thread() + (tap,)
 
     @classmethod
     def exit(cls, tap):
-        cls._local.taps = tuple(t for t in getattr(cls._local, "taps", ()) if t is not tap)
+        cls._local.taps = tuple(t for t in cls.taps_of_this_thread() if t is not tap)
         with cls._lock:
             cls._open -= 1
             if cls._open == 0:
                 keras_variables.Variable.value = cls._original
                 cls._original = None
+
+    @classmethod
+    def taps_of_this_thread(cls) -> tuple:
+        return getattr(cls._local, "taps", ())
+
+    @classmethod
+    def installed(cls) -> bool:
+        """Whether ``Variable.value`` is wrapped now (some tap is open in some thread)."""
+        return cls._original is not None
+
+    @classmethod
+    def _watched_read(cls, read):
+        def value(variable):
+            for open_tap in cls.taps_of_this_thread():
+                open_tap._note_read(variable)
+            return read(variable)
+        return value
 
 
 def _gradient_targets(recording) -> list:

@@ -23,6 +23,7 @@ from tf_dp.accounting.callbacks import PrivacyBudget
 from tf_dp.clipping import ENGINES
 from tf_dp.models.fitting import DPFitting
 from tf_dp.models.losses import per_example_loss
+from tf_dp.models.plan import StepPlan
 from tf_dp.models.reporting import PrivacyReporting
 from tf_dp.models.step import DPTrainStep
 from tf_dp.models.validation import check_model
@@ -47,8 +48,10 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
         # Examples whose gradient was NaN/Inf this epoch: they contribute zero (clip_factors).
         # A membership oracle for a NaN canary, so held where no saver reaches (not a Keras
         # metric, not a weight, not in tf.train.Checkpoint) and logged only without private_logs.
+        # The step plan (tf_dp.models.plan) is a constant of the traced step, not state to save.
         self._untracked = _Untracked(nonfinite_examples=tf.Variable(
-            0.0, trainable=False, name="nonfinite_examples", aggregation=tf.VariableAggregation.SUM))
+            0.0, trainable=False, name="nonfinite_examples", aggregation=tf.VariableAggregation.SUM),
+            step_plan=StepPlan(ledger=self.privacy_ledger))
         self._dp = {"delta": DEFAULT_DELTA, "accountant": "rdp", "target_epsilon": None, "engine": "ghost",
                     "private_logs": False}
         self._dp_loss = None
@@ -66,9 +69,7 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
                 f"The layers of {self.name} were trained under {len(others) + 1} different privacy ledgers (of "
                 "different DP models); tf_dp cannot compose them into one ε (the models may have seen the same "
                 "data). Build the model from layers trained by one DP model (or by none).")
-        if others:
-            self.privacy_ledger = others[0]
-        _attach_ledger(self)
+        self._use_ledger(others[0] if others else self.privacy_ledger)
 
     def continue_ledger_of(self, other) -> None:
         """Carries ``other``'s privacy record to this model, where tf_dp cannot see that the
@@ -87,9 +88,14 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
         if int(self.privacy_ledger.steps.numpy()) > 0:
             raise ValueError(f"{self.name} has taken DP steps under its own ledger: continue_ledger_of must be "
                              "called before its first step (right after copying the weights).")
+        self._use_ledger(ledger)
+
+    def _use_ledger(self, ledger: PrivacyLedger) -> None:
+        """Makes ``ledger`` the model's, its layers' and the step plan's: a step traced with
+        another ledger is retraced (the plan's setter), as it would count into the old one."""
         self.privacy_ledger = ledger
         _attach_ledger(self)
-        self.train_function = None  # a traced step would still count into the old ledger
+        self.step_plan = self.step_plan.replace(ledger=ledger)
 
     @property
     def nonfinite_examples(self) -> tf.Variable:

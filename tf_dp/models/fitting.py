@@ -119,9 +119,9 @@ class DPFitting:
         if isinstance(x, tf.data.Dataset) and is_batched_dataset(x, self):
             self._refuse_sampling_arguments(sampling_arguments, "a batched dataset")
             self._refuse_multi_worker("a batched dataset")
-            self._set_example_weights(sample_weight, class_weight, where="dataset")
-            return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
-                                           steps_per_epoch, **kwargs)
+            with self.use_plan(self._weights_plan(sample_weight, class_weight, where="dataset")):
+                return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data,
+                                               initial_epoch, steps_per_epoch, **kwargs)
         source = self._training_source(x, y, transform)
         all_rows = len(source)
         if validation_split:
@@ -133,7 +133,7 @@ class DPFitting:
             validation_data = tuple(tf.nest.map_structure(keras_array, part) for part in validation_data)
         num_examples = len(source)
         refuse_batched_records(source, self, augment)
-        self._set_example_weights(sample_weight, class_weight, num_examples)
+        plan = self._weights_plan(sample_weight, class_weight, num_examples)
         x, y = source.head(GUARD_ROWS + DONOR_SEARCH)  # what the guard and the build read: never all of the data
         if augment is not None:
             x = augment_examples(augment, x)
@@ -143,7 +143,7 @@ class DPFitting:
         scheme = scheme_for_fit(getattr(self.optimizer, "privatizer", None), num_examples,
                                 _checks.batch_size_for(num_examples, batch_size), sampling,
                                 **sampling_arguments)
-        views = self._views(augment, augmentation_multiplicity, scheme)
+        plan = plan.replace(views=self._views(augment, augmentation_multiplicity, scheme, plan))
         self._warn_about_delta(scheme.num_units)
         steps = steps_per_epoch or math.ceil(scheme.num_units / scheme.expected_batch_size)
         # Privacy callbacks go first so that user callbacks (TensorBoard, CSVLogger) see ε in the logs.
@@ -154,10 +154,10 @@ class DPFitting:
             raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
         steps_taken = StepsTaken(self.privacy_ledger)
         callbacks.append(steps_taken)  # last: its on_train_begin sees a ledger BackupAndRestore restored
-        dataset = self._poisson_stream(source, scheme, physical_batch_size, sampling_seed, steps_taken, augment,
-                                       views)
-        self._prebuild(x, y)
-        with self._views_for_fit(views), reading_errors_named(source):
+        with self.use_plan(plan), reading_errors_named(source):
+            dataset = self._poisson_stream(source, scheme, physical_batch_size, sampling_seed, steps_taken, augment,
+                                           plan.views)
+            self._prebuild(x, y)
             return super().fit(
                 dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
                 initial_epoch=initial_epoch, steps_per_epoch=steps, shuffle=False, **kwargs,
@@ -182,9 +182,10 @@ class DPFitting:
             warnings.warn(f"tf_dp: delta = {self._dp['delta']:g} >= 1/N = {1 / num_units:.3g}: a mechanism that "
                           "publishes one random example outright meets such a delta. Use delta <= 1/N.", stacklevel=3)
 
-    def _views(self, augment, multiplicity, scheme) -> AugmentationViews:
+    def _views(self, augment, multiplicity, scheme, plan) -> AugmentationViews:
         """The units' views: augmentation multiplicity, or a scheme's m examples per unit
-        (user-level DP), each averaged before clipping (docs/algorithms.md §8, §11)."""
+        (user-level DP), each averaged before clipping (docs/algorithms.md §8, §11); ``plan``
+        is the call's plan so far (its class weights)."""
         views = self._augmentation_setting(augment, multiplicity)
         if scheme.views == 1:
             return views
@@ -195,7 +196,7 @@ class DPFitting:
         if augment is not None:
             raise ValueError(f"`augment` is not supported with {scheme.name!r} sampling: the input pipeline's views "
                              "are the unit's examples. Put random augmentation layers in the model instead.")
-        if getattr(self, "_class_weight_table", None) is not None:
+        if plan.class_weights is not None:
             raise ValueError(f"`class_weight` is not supported with {scheme.name!r} sampling: fold the class "
                              "weights into `sample_weight` (one weight per example), which is carried per example.")
         if type(self).train_step is not DPTrainStep.train_step:
@@ -221,21 +222,6 @@ class DPFitting:
                 "keras.layers.RandomFlip, RandomCrop, RandomTranslation): without either, the K views would be "
                 "identical.")
         return AugmentationViews(multiplicity, view_axis=augment is not None)
-
-    @contextlib.contextmanager
-    def _views_for_fit(self, views: AugmentationViews):
-        """The clipping engine reads the model's views while the train step is traced: set
-        them for this fit only, and retrace when they differ from the traced ones."""
-        previous = getattr(self, "_augmentation_views", ONE_VIEW)
-        if views != previous:
-            self.train_function = None
-        self._augmentation_views = views
-        try:
-            yield
-        finally:
-            self._augmentation_views = previous
-            if views != previous:
-                self.train_function = None
 
     def _fit_fixed_batches(self, dataset, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
                            steps_per_epoch, **kwargs):
@@ -269,7 +255,7 @@ class DPFitting:
         self._require_dp_compiled()
         self._refuse_sampling_arguments({"user_ids": user_ids}, "train_on_batch's explicit batch")
         y = without_unused_targets(self._dp_loss, y)
-        self._set_example_weights(sample_weight, class_weight, where="batch")
+        self.step_plan = self._weights_plan(sample_weight, class_weight, where="batch")  # until the next call
         if self.distribute_strategy.num_replicas_in_sync > 1:
             # Keras hands every replica the whole explicit batch: each example would be
             # clipped and summed R times (sensitivity R·C). Datasets are split correctly.
@@ -320,7 +306,7 @@ class DPFitting:
     def _per_example_extras(self, num_examples: int) -> dict:
         """Per-example arrays the Poisson stream carries besides x and y (DP-SGD: the sample
         weights, if any; padding rows get weight 0)."""
-        return sample_weight_extras(getattr(self, "_fit_sample_weight", None))
+        return sample_weight_extras(self.step_plan.sample_weights)
 
     def _require_dp_compiled(self):
         if not isinstance(getattr(self, "optimizer", None), DPOptimizer) or self._dp_loss is None:

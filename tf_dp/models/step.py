@@ -8,6 +8,7 @@ ledger records the step with the σ it used.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import keras
@@ -15,9 +16,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.clipping import clipped_gradient_sum
-from tf_dp.clipping.engine import ONE_VIEW, view_of
+from tf_dp.clipping.engine import view_of
 from tf_dp.models.data import is_poisson_batch
 from tf_dp.models.losses import WeightedTargets, unpack_targets, without_unused_targets
+from tf_dp.models.plan import StepPlan, class_weight_table
 from tf_dp.optimizers import DPOptimizer
 
 
@@ -42,7 +44,7 @@ class DPTrainStep:
     def _dp_step(self, x, y, mask, expected_batch_size):
         """One DP step. σ is read once: the noise and the ledger use the same value, and the
         noise counter is the ledger's step count (unique over the model's life)."""
-        optimizer, ledger = self.optimizer, self.privacy_ledger
+        optimizer, ledger = self.optimizer, self._ledger_of_plan()
         dp_step, sigma = ledger.steps.read_value(), optimizer.noise_multiplier_tensor()
         points = optimizer.evaluation_points(self.trainable_variables)
         wants_norms = getattr(optimizer, "adaptive_clip", None) is not None  # C_{t+1} from the batch's norms
@@ -75,7 +77,7 @@ class DPTrainStep:
             return function
 
         def train_function_then_check_the_ledger(*args, **kwargs):
-            ledger, optimizer = self.privacy_ledger, self.optimizer
+            ledger, optimizer = self._ledger_of_plan(), self.optimizer
             optimizer.guard_noise_counter(int(ledger.steps.numpy()), ledger)
             logs = function(*args, **kwargs)
             optimizer.record_noise_counter(int(ledger.steps.numpy()))
@@ -103,7 +105,7 @@ class DPTrainStep:
         """(x, y, mask, L) with x, y, mask shaped [chunks, P, ...]. L of an explicit batch is
         the phase's declared batch size, never the batch's realized size (docs/algorithms.md §7)."""
         if is_poisson_batch(data):
-            weight = poisson_sample_weight(data, getattr(self, "_fit_sample_weight", None))
+            weight = poisson_sample_weight(data, self.step_plan.sample_weights)
             y = self._weighted_targets(data["y"], weight)
             return data["x"], y, data["mask"], data["expected_batch_size"][0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -118,15 +120,53 @@ class DPTrainStep:
         y = self._weighted_targets(tf.nest.map_structure(add_chunk_axis, y), sample_weight)
         return tf.nest.map_structure(add_chunk_axis, x), y, mask, self._declared_batch_size.read_value()
 
-    # ------------------------------------------------------- example weights
-    def _set_example_weights(self, sample_weight=None, class_weight: Optional[dict] = None,
-                             num_examples: Optional[int] = None, where: str = "fit") -> None:
-        """Called by ``fit``/``train_on_batch`` before training: ``sample_weight`` (fit: an
-        array per example [N] or per loss value [N, T], carried with each Poisson batch as a
-        per-example extra; train_on_batch: Keras passes it with the batch; a batched dataset:
-        its elements' third entry) and ``class_weight`` ({class: weight}, looked up from each
-        example's label inside the step) for this call. Weights are part of the example
-        (ℓ_i = weighted loss of example i, see tf_dp.models.losses): the sensitivity stays C."""
+    # ------------------------------------------------------- the step plan
+    @property
+    def step_plan(self) -> StepPlan:
+        """The StepPlan the train step is traced with (tf_dp.models.plan)."""
+        return self._untracked.step_plan
+
+    @step_plan.setter
+    def step_plan(self, plan: StepPlan) -> None:
+        """Sets the plan; a plan that differs from the current one drops the traced train
+        function — the only place that does: every field of the plan is a constant of the
+        trace, so a changed option retraces by construction."""
+        if not isinstance(plan, StepPlan):
+            raise TypeError(f"`step_plan` must be a tf_dp.models.plan.StepPlan, got {type(plan).__name__}.")
+        if plan != self._untracked.step_plan:
+            self.train_function = None
+        self._untracked.step_plan = plan
+
+    @contextlib.contextmanager
+    def use_plan(self, plan: StepPlan):
+        """``plan`` for the duration of the block (one ``fit``), the previous plan after it,
+        also when the block raises."""
+        previous = self.step_plan
+        self.step_plan = plan
+        try:
+            yield plan
+        finally:
+            self.step_plan = previous
+
+    def _ledger_of_plan(self):
+        """The plan's ledger, which must be the model's: a ``privacy_ledger`` replaced by
+        hand (not by ``continue_ledger_of``) would leave the traced step counting into the
+        old one while ε is read from the new one."""
+        ledger = self.step_plan.ledger
+        if ledger is not self.privacy_ledger:
+            raise RuntimeError(f"{self.name}.privacy_ledger was replaced by assignment, which the traced step "
+                               "cannot see: use model.continue_ledger_of(other) to carry another model's ledger.")
+        return ledger
+
+    def _weights_plan(self, sample_weight=None, class_weight: Optional[dict] = None,
+                      num_examples: Optional[int] = None, where: str = "fit") -> StepPlan:
+        """The plan of a ``fit``/``train_on_batch`` call with its example weights (one view):
+        ``sample_weight`` (fit: an array per example [N] or per loss value [N, T], carried
+        with each Poisson batch as a per-example extra; train_on_batch: Keras passes it with
+        the batch; a batched dataset: its elements' third entry) and ``class_weight``
+        ({class: weight}, looked up from each example's label inside the step). Weights are
+        part of the example (ℓ_i = weighted loss of example i, see tf_dp.models.losses): the
+        sensitivity stays C. ``where``: "fit", "dataset" or "batch"."""
         if where == "dataset" and sample_weight is not None:
             raise ValueError("`sample_weight` cannot be passed with a dataset: yield (x, y, sample_weight) elements.")
         weighted = sample_weight is not None or class_weight is not None
@@ -137,23 +177,14 @@ class DPTrainStep:
             raise ValueError("Pass either `sample_weight` or `class_weight`, not both (as Keras): fold the class "
                              "weights into the sample weights.")
         if sample_weight is not None and where == "fit":
-            sample_weight = tf.nest.map_structure(lambda w: np.asarray(w, np.float32), sample_weight)
-            for w in tf.nest.flatten(sample_weight):
-                if w.ndim == 0 or w.shape[0] != num_examples:
-                    raise ValueError(f"`sample_weight` needs one row per training example ({num_examples}), "
-                                     f"got shape {list(w.shape)}.")
-            if isinstance(sample_weight, list):
-                sample_weight = tuple(sample_weight)  # a structure tf.data carries (one array per output)
-        self._fit_sample_weight = sample_weight if where == "fit" else None  # fit's Poisson extra
-        table = None if class_weight is None else _class_weight_table(class_weight)
-        previous = getattr(self, "_class_weight_table", None)
-        if (table is None) != (previous is None) or (table is not None and not np.array_equal(table, previous)):
-            self.train_function = None  # the table is a constant of the traced step
-        self._class_weight_table = table
+            sample_weight = _checked_fit_sample_weight(sample_weight, num_examples)
+        return StepPlan(ledger=self.privacy_ledger,
+                        class_weights=None if class_weight is None else class_weight_table(class_weight),
+                        sample_weights=sample_weight if where == "fit" else None)  # fit's Poisson extra
 
     def _weighted_targets(self, y, sample_weight):
         """y, or y packed with the sample weights of its rows (class weights looked up from the labels)."""
-        table = getattr(self, "_class_weight_table", None)
+        table = self.step_plan.class_weights
         if table is not None:
             if sample_weight is not None:
                 raise ValueError("Pass either `sample_weight` or `class_weight`, not both.")
@@ -189,7 +220,8 @@ class DPTrainStep:
 
     def _clip_chunk(self, x, y, mask, clip, points, totals, index):
         result = clipped_gradient_sum(self, self._chunk_loss(), x, y, mask, clip, engine=self._dp["engine"],
-                                      points=points, clipping=getattr(self.optimizer, "clipping", None))
+                                      points=points, clipping=getattr(self.optimizer, "clipping", None),
+                                      views=self.step_plan.views)
         if not self._dp["private_logs"]:
             self._track_train_metrics(x, y, mask, result)
         sums, nonfinite, norms = totals
@@ -198,7 +230,7 @@ class DPTrainStep:
         return [s + c for s, c in zip(sums, result.clipped_sums)], nonfinite + result.nonfinite_count(mask), norms
 
     def _track_train_metrics(self, x, y, mask, result):
-        if getattr(self, "_augmentation_views", ONE_VIEW).targets_per_view:  # user-level (§11): the engine
+        if self.step_plan.views.targets_per_view:  # user-level (§11): the engine
             y = view_of(y, 0)  # reports view 0's predictions and losses, each sampled user's first example
         real = tf.reduce_sum(mask)
         losses = tf.cast(result.losses, tf.float32)  # bfloat16 when the output layer computes in bfloat16
@@ -219,7 +251,7 @@ class DPTrainStep:
         """Metric weights: the 0/1 padding mask times the examples' sample weights, if any.
         Class weights weigh the loss only: metrics count examples, as in Keras."""
         _, sample_weight = unpack_targets(y)
-        if sample_weight is None or getattr(self, "_class_weight_table", None) is not None:
+        if sample_weight is None or self.step_plan.class_weights is not None:
             return mask
 
         def times_mask(weight):
@@ -267,19 +299,18 @@ def poisson_sample_weight(data: dict, structure):
     return tf.nest.pack_sequence_as(structure, flat)
 
 
-def _class_weight_table(class_weight: dict) -> np.ndarray:
-    if not isinstance(class_weight, dict) or not class_weight:
-        raise TypeError(f"`class_weight` must be a non-empty dict {{class index: weight}}, got {class_weight!r}.")
-    classes = [int(k) for k in class_weight]
-    if min(classes) < 0:
-        raise ValueError(f"`class_weight` keys must be class indices >= 0, got {sorted(classes)}.")
-    table = np.ones(max(classes) + 1, np.float32)  # classes not listed weigh 1, as in Keras
-    for key, weight in class_weight.items():
-        table[int(key)] = float(weight)
-    return table
+def _checked_fit_sample_weight(sample_weight, num_examples: int):
+    """fit's sample weights as float32 arrays (a list as a tuple, a structure tf.data carries),
+    each with one row per training example."""
+    sample_weight = tf.nest.map_structure(lambda w: np.asarray(w, np.float32), sample_weight)
+    for w in tf.nest.flatten(sample_weight):
+        if w.ndim == 0 or w.shape[0] != num_examples:
+            raise ValueError(f"`sample_weight` needs one row per training example ({num_examples}), "
+                             f"got shape {list(w.shape)}.")
+    return tuple(sample_weight) if isinstance(sample_weight, list) else sample_weight
 
 
-def class_weights_of(y, table: np.ndarray) -> tf.Tensor:
+def class_weights_of(y, table) -> tf.Tensor:
     """w_i = class_weight[label of example i] for y shaped [chunks, P] (class ids), [chunks,
     P, 1] or [chunks, P, K] (one-hot / probabilities: the argmax, as Keras); classes beyond
     the table weigh 1. A function of example i's own label only."""
@@ -299,7 +330,7 @@ def class_weights_of(y, table: np.ndarray) -> tf.Tensor:
     labels = tf.cast(tf.round(tf.cast(labels, tf.float32)), tf.int32) if labels.dtype.is_floating \
         else tf.cast(labels, tf.int32)
     inside = (labels >= 0) & (labels < len(table))
-    weights = tf.gather(tf.constant(table), tf.clip_by_value(labels, 0, len(table) - 1))
+    weights = tf.gather(tf.constant(table, tf.float32), tf.clip_by_value(labels, 0, len(table) - 1))
     return tf.where(inside, weights, 1.0)
 
 

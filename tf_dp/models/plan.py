@@ -1,0 +1,79 @@
+"""StepPlan: the options of one ``fit``/``train_on_batch`` call that shape the traced DP step.
+
+Everything the compiled step reads besides its tensor inputs and the model's variables is a
+constant of its trace: the ledger it records into, the views each unit contributes
+(docs/algorithms.md §8, §11), the class-weight table and the nesting of fit's sample weights
+(§1: ℓ_i is the weighted loss of example i). They live in one frozen plan; the model holds
+the current one (``DPTrainStep.step_plan``), and setting a plan that differs from it drops
+the traced train function there and nowhere else, so a new option retraces by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dp.clipping.engine import ONE_VIEW, AugmentationViews
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the DP step of the current call runs and what its ledger records.
+
+    Attributes:
+      ledger: the PrivacyLedger the step records into (compared by identity).
+      views: the views each sampled unit contributes, averaged before clipping:
+        u_i = (1/K) Σ_k ∇ℓ(θ; x_i^(k)) (augmentation multiplicity, docs/algorithms.md §8;
+        a user's m examples, §11). Default: one view.
+      class_weights: (w_0, …, w_{K−1}), the loss weight of each class index as float32
+        values (classes beyond the table weigh 1), or None.
+      sample_weights: fit's per-example weights ([N] or [N, T] arrays, one per output if
+        nested), carried with each Poisson-sampled example by the input pipeline. They are
+        data, not constants of the trace: compared by their nesting only
+        (``sample_weight_layout``).
+    """
+
+    ledger: object = None
+    views: AugmentationViews = ONE_VIEW
+    class_weights: Optional[Tuple[float, ...]] = None
+    sample_weights: object = field(default=None, compare=False, repr=False)
+    sample_weight_layout: Optional[str] = field(default=None, init=False)
+
+    def __post_init__(self):
+        if not isinstance(self.views, AugmentationViews):
+            raise TypeError(f"`views` must be an AugmentationViews, got {self.views!r}.")
+        if self.class_weights is not None and not isinstance(self.class_weights, tuple):
+            raise TypeError(f"`class_weights` must be a tuple of floats (class index → weight), got "
+                            f"{type(self.class_weights).__name__}: build it with class_weight_table(dict).")
+        layout = None if self.sample_weights is None else repr(
+            tf.nest.map_structure(lambda _: None, self.sample_weights))
+        object.__setattr__(self, "sample_weight_layout", layout)  # frozen: set once, here
+
+    def replace(self, **changes) -> "StepPlan":
+        """A copy with ``changes`` (the plan itself is never modified)."""
+        return dataclasses.replace(self, **changes)
+
+
+def class_weight_table(class_weight: dict) -> Tuple[float, ...]:
+    """{class index: weight} → (w_0, …, w_{K−1}) with K = the largest index + 1; classes not
+    listed weigh 1, as in Keras. Weights are rounded to float32, the dtype the step uses.
+
+    Args:
+      class_weight: a non-empty dict {class index >= 0: weight}.
+
+    Returns:
+      The table as a tuple of floats (hashable, so a plan field).
+    """
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise TypeError(f"`class_weight` must be a non-empty dict {{class index: weight}}, got {class_weight!r}.")
+    classes = [int(k) for k in class_weight]
+    if min(classes) < 0:
+        raise ValueError(f"`class_weight` keys must be class indices >= 0, got {sorted(classes)}.")
+    table = np.ones(max(classes) + 1, np.float32)
+    for key, weight in class_weight.items():
+        table[int(key)] = float(weight)
+    return tuple(float(w) for w in table)
