@@ -67,7 +67,8 @@ def _training_loss_and_targets(loss, y, sample_weight, class_weight):
     """(ℓ_i as DP training computes it, y packed with the examples' weights as the train step
     packs them): the same per-example loss and weights handling as ``DPModel.fit``."""
     # tf_dp.models imports tf_dp.clipping: imported here, when called.
-    from tf_dp.models.losses import WeightedTargets, class_weight_table, class_weights_of, per_example_loss
+    from tf_dp.models.losses import WeightedTargets, class_weights_of, per_example_loss
+    from tf_dp.models.plan import class_weight_table
 
     if sample_weight is not None and class_weight is not None:
         raise ValueError("Pass either `sample_weight` or `class_weight`, not both (as Keras): fold the class "

@@ -301,21 +301,7 @@ def _per_row(unreduced, y_true, y_pred, sample_weight=None, by_weight_total: boo
     return weighted / tf.cast(tf.shape(flat)[1], values.dtype)
 
 
-def class_weight_table(class_weight: dict) -> np.ndarray:
-    """cw as a float32 table indexed by class (classes not listed weigh 1, as in Keras).
-    Raises TypeError for anything but a non-empty dict, ValueError for a negative class."""
-    if not isinstance(class_weight, dict) or not class_weight:
-        raise TypeError(f"`class_weight` must be a non-empty dict {{class index: weight}}, got {class_weight!r}.")
-    classes = [int(k) for k in class_weight]
-    if min(classes) < 0:
-        raise ValueError(f"`class_weight` keys must be class indices >= 0, got {sorted(classes)}.")
-    table = np.ones(max(classes) + 1, np.float32)
-    for key, weight in class_weight.items():
-        table[int(key)] = float(weight)
-    return table
-
-
-def class_weights_of(y, table: np.ndarray) -> tf.Tensor:
+def class_weights_of(y, table: Sequence[float]) -> tf.Tensor:
     """w_i = cw[label of example i] for y shaped [chunks, P] (class ids), [chunks, P, 1] or
     [chunks, P, K] (one-hot / probabilities: the argmax, as Keras); classes beyond the table
     weigh 1. A function of example i's own label only (module docstring)."""
@@ -335,7 +321,7 @@ def class_weights_of(y, table: np.ndarray) -> tf.Tensor:
     labels = tf.cast(tf.round(tf.cast(labels, tf.float32)), tf.int32) if labels.dtype.is_floating \
         else tf.cast(labels, tf.int32)
     inside = (labels >= 0) & (labels < len(table))
-    weights = tf.gather(tf.constant(table), tf.clip_by_value(labels, 0, len(table) - 1))
+    weights = tf.gather(tf.constant(table, tf.float32), tf.clip_by_value(labels, 0, len(table) - 1))
     return tf.where(inside, weights, 1.0)
 
 

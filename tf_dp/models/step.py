@@ -18,7 +18,7 @@ import tensorflow as tf
 from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.clipping.engine import view_of
 from tf_dp.models.data import is_poisson_batch
-from tf_dp.models.losses import WeightedTargets, unpack_targets, without_unused_targets
+from tf_dp.models.losses import WeightedTargets, class_weights_of, unpack_targets, without_unused_targets
 from tf_dp.models.plan import StepPlan, class_weight_table
 from tf_dp.optimizers import DPOptimizer
 
@@ -308,30 +308,6 @@ def _checked_fit_sample_weight(sample_weight, num_examples: int):
             raise ValueError(f"`sample_weight` needs one row per training example ({num_examples}), "
                              f"got shape {list(w.shape)}.")
     return tuple(sample_weight) if isinstance(sample_weight, list) else sample_weight
-
-
-def class_weights_of(y, table) -> tf.Tensor:
-    """w_i = class_weight[label of example i] for y shaped [chunks, P] (class ids), [chunks,
-    P, 1] or [chunks, P, K] (one-hot / probabilities: the argmax, as Keras); classes beyond
-    the table weigh 1. A function of example i's own label only."""
-    if tf.nest.is_nested(y):
-        raise ValueError("`class_weight` is supported for models with one output (as in Keras).")
-    rank = y.shape.rank
-    if rank == 3 and y.shape[-1] == 1:
-        labels = y[..., 0]
-    elif rank == 3:
-        labels = tf.argmax(y, axis=-1)
-    elif rank == 2:
-        labels = y
-    else:
-        raise ValueError(f"`class_weight` needs one label per example (y of shape [batch], [batch, 1] or one-hot "
-                         f"[batch, classes]); got y with {rank - 1 if rank else 'unknown'} dimensions per batch. "
-                         "For per-token weights pass `sample_weight`.")
-    labels = tf.cast(tf.round(tf.cast(labels, tf.float32)), tf.int32) if labels.dtype.is_floating \
-        else tf.cast(labels, tf.int32)
-    inside = (labels >= 0) & (labels < len(table))
-    weights = tf.gather(tf.constant(table, tf.float32), tf.clip_by_value(labels, 0, len(table) - 1))
-    return tf.where(inside, weights, 1.0)
 
 
 def for_multi_worker_reduce(logs: dict) -> dict:
