@@ -343,39 +343,38 @@ def test_short_sequences_through_wide_kernels_take_the_gram_form_never_per_examp
     assert not per_example_kernels, per_example_kernels
 
 
+def _assert_sequence_dense_matches_float64(seed, steps, width, out, cancel):
+    """Norms and clipped sums of Dense on [3, T, width] vs float64 per-example products;
+    ``cancel(x)`` makes example 0's positions cancel."""
+    rng = np.random.default_rng(seed)
+    inputs = keras.Input((steps, width))
+    model = keras.Model(inputs, keras.layers.Dense(out)(inputs))
+    x = rng.normal(size=(3, steps, width)).astype("float32")
+    cancel(x)
+    r = rng.normal(size=(3, steps, out)).astype("float32")
+    truth = _dense_truth(x, r)
+    clip = float(np.median(_norms(truth)))
+    result = clipped_gradient_sum(model, linear_loss, tf.constant(x), tf.constant(r), tf.ones(3), tf.constant(clip))
+    np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), _norms(truth), rtol=1e-5)
+    factors = np.minimum(1.0, clip / _norms(truth))
+    expected = [np.tensordot(factors, g, axes=1) for g in truth]
+    for got, want in zip(result.clipped_sums, expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
+
+
 def test_short_sequence_gram_form_norms_and_clipped_sums_match_float64():
-    rng = np.random.default_rng(11)
     steps, width, out = 2, 48, 40
     contribution = dense.DenseContribution(tf.zeros([3, steps, width]), tf.zeros([3, steps, out]), True, False)
     assert contribution._uses_gram_form()
-    inputs = keras.Input((steps, width))
-    model = keras.Model(inputs, keras.layers.Dense(out)(inputs))
-    x = rng.normal(size=(3, steps, width)).astype("float32")
-    x[0, 1] = -x[0, 0] + 1e-3  # cancelling positions
-    r = rng.normal(size=(3, steps, out)).astype("float32")
-    truth = _dense_truth(x, r)
-    clip = float(np.median(_norms(truth)))
-    result = clipped_gradient_sum(model, linear_loss, tf.constant(x), tf.constant(r), tf.ones(3), tf.constant(clip))
-    np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), _norms(truth), rtol=1e-5)
-    factors = np.minimum(1.0, clip / _norms(truth))
-    expected = [np.tensordot(factors, g, axes=1) for g in truth]
-    for got, want in zip(result.clipped_sums, expected):
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
+
+    def cancel(x):
+        x[0, 1] = -x[0, 0] + 1e-3
+
+    _assert_sequence_dense_matches_float64(11, steps, width, out, cancel)
 
 
 def test_long_sequence_norms_and_clipped_sums_match_float64():
-    rng = np.random.default_rng(7)
-    steps, width, out = 5000, 3, 2
-    inputs = keras.Input((steps, width))
-    model = keras.Model(inputs, keras.layers.Dense(out)(inputs))
-    x = rng.normal(size=(3, steps, width)).astype("float32")
-    x[0, 1::2] = -x[0, ::2] + 1e-3  # cancelling positions
-    r = rng.normal(size=(3, steps, out)).astype("float32")
-    truth = _dense_truth(x, r)
-    clip = float(np.median(_norms(truth)))
-    result = clipped_gradient_sum(model, linear_loss, tf.constant(x), tf.constant(r), tf.ones(3), tf.constant(clip))
-    np.testing.assert_allclose(np.sqrt(result.squared_norms.numpy()), _norms(truth), rtol=1e-5)
-    factors = np.minimum(1.0, clip / _norms(truth))
-    expected = [np.tensordot(factors, g, axes=1) for g in truth]
-    for got, want in zip(result.clipped_sums, expected):
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
+    def cancel(x):
+        x[0, 1::2] = -x[0, ::2] + 1e-3
+
+    _assert_sequence_dense_matches_float64(7, 5000, 3, 2, cancel)
