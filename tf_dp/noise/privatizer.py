@@ -85,6 +85,14 @@ class Privatizer:
         (1 for white Gaussian noise; BandMF: docs/algorithms.md §10.5). Float32 scalar."""
         return tf.constant(1.0, tf.float32)
 
+    def released_noise_variance(self, variance: tf.Tensor) -> tf.Tensor:
+        """The latest step's per-coordinate noise variance, given stddev² as ``variance``:
+        ``variance`` · noise_variance_factor(). White noise: ``variance`` itself, no op added
+        to the step; BandMF multiplies by F_n (docs/algorithms.md §10.5)."""
+        if self.white_noise:
+            return variance
+        return variance * tf.cast(self.noise_variance_factor(), variance.dtype)
+
     def get_config(self) -> dict:
         return {}
 

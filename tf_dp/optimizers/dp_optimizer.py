@@ -359,7 +359,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         gradients = transforms.add_public_gradients(gradients, public_gradients)
         self._advance_clip_bound(bound, squared_norms, mask, expected_batch_size, key, dp_step, release)
         # σ_w²·F_n: the marginal variance of correlated (BandMF) noise, docs/algorithms.md §10.5
-        noise_variance = tf.square(noise_stddev) * self.privatizer.noise_variance_factor()
+        noise_variance = self.privatizer.released_noise_variance(tf.square(noise_stddev))
         return self._filter_and_update(gradients, variables, noise_variance, replicas)
 
     def _gradient_noise_multiplier(self, sigma, expected_batch_size):
@@ -419,8 +419,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """The per-coordinate noise variance left in what the inner optimizer received at the
         latest step: σ_w² (times F_n for BandMF, §10.5), times A_t for each filter ("transient"
         correction)."""
-        variance = tf.square(tf.cast(self._averaged_noise_stddev.value, dtype))
-        variance *= tf.cast(self.privatizer.noise_variance_factor(), dtype)
+        variance = self.privatizer.released_noise_variance(tf.square(tf.cast(self._averaged_noise_stddev.value, dtype)))
         for part in self.filters:
             attenuation = tf.cast(self.part_state(part)["noise_covariance"].value[0], dtype)
             variance = part.handed_on_variance(attenuation, variance)
