@@ -39,6 +39,9 @@ DEFAULT_ACCOUNTANT = "rdp"
 # Ledger code of every scheme name (codes are written into saved models: never reuse one).
 # Plug-ins with a scheme not reserved here pass ``code=`` to ``register_event``.
 SCHEME_CODES = {"poisson": 1, "batches": 2, "cyclic_poisson": 3, "raco_poisson": 4}
+# Ledgers written before the scheme table held a parameterised scheme as a "poisson" row with a
+# nonzero parameter (RaCO-DP's Laplace scale, §5): the scheme such a row means.
+LEGACY_PARAMETERISED_POISSON = "raco_poisson"
 
 EventBuilder = Callable[["Phase"], dp_event.DpEvent]
 _EVENTS: dict[str, EventBuilder] = {}

@@ -30,9 +30,9 @@ MAX_PHASES = 256
 _COLUMNS = 8
 _SCHEME, _SIGMA, _FIRST_STEP, _PARAMETER, _SEGMENT = 0, 2, 5, 6, 7
 _SETTINGS = [0, 1, 2, 3, 4, 6]  # what must match for open_phase to continue the current phase
-# Ledgers written before the scheme table held RaCO-DP's code (7 columns, and older): a
-# "poisson" row with a nonzero column 6 (the Laplace scale) is a "raco_poisson" phase.
-_LEGACY_CODE, _LEGACY_PARAMETERISED_SCHEME = events.SCHEME_CODES["poisson"], "raco_poisson"
+# Ledgers written before the scheme table (7 columns, and older): a "poisson" row with a
+# nonzero column 6 (the scheme's parameter) is a phase of events.LEGACY_PARAMETERISED_POISSON.
+_LEGACY_CODE, _LEGACY_PARAMETERISED_SCHEME = events.SCHEME_CODES["poisson"], events.LEGACY_PARAMETERISED_POISSON
 
 
 def _scheme_name(code: float, parameter: float) -> str:

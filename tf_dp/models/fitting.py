@@ -59,6 +59,7 @@ class DPFitting:
         user_ids=None,
         examples_per_user: Optional[int] = None,
         sampling=None,
+        per_example_extras: Optional[dict] = None,
         **kwargs,
     ):
         """Keras ``fit`` with Poisson sampling (rate q = batch_size / N) for arrays (numpy,
@@ -107,6 +108,12 @@ class DPFitting:
         batched dataset (or ``train_on_batch``); for m > 1 not with ``augment``,
         ``augmentation_multiplicity`` > 1 or ``class_weight`` (``sample_weight`` works: each
         example keeps its own weight and label).
+
+        ``per_example_extras`` ({name: array with one row per training example}) is for a
+        model with a train step of its own: each array is carried with the Poisson-sampled
+        examples, row for row, into the batch its ``train_step`` receives as ``data[name]``,
+        where a per-example objective reads it (tf_dp.models.objective). Arrays and sources
+        only; ``validation_split`` keeps the rows of the training part.
         """
         self._require_dp_compiled()
         y = without_unused_targets(self._dp_loss, y)  # y=[y0, None] for loss=[fn, None], as Keras
@@ -117,13 +124,15 @@ class DPFitting:
         sampling_arguments = {"user_ids": user_ids, "examples_per_user": examples_per_user}
         callbacks = list(callbacks or [])
         if isinstance(x, tf.data.Dataset) and is_batched_dataset(x, self):
-            self._refuse_sampling_arguments(sampling_arguments, "a batched dataset")
+            self._refuse_sampling_arguments({**sampling_arguments, "per_example_extras": per_example_extras},
+                                            "a batched dataset")
             self._refuse_multi_worker("a batched dataset")
             with self.use_plan(self._weights_plan(sample_weight, class_weight, where="dataset")):
                 return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data,
                                                initial_epoch, steps_per_epoch, **kwargs)
         source = self._training_source(x, y, transform)
         all_rows = len(source)
+        extras = self._checked_per_example_extras(per_example_extras, all_rows)
         if validation_split:
             source, validation_data, sample_weight = _carve_validation(
                 source, validation_split, sample_weight, kwargs.pop("validation_batch_size", None) or batch_size or 32)
@@ -133,7 +142,8 @@ class DPFitting:
             validation_data = tuple(tf.nest.map_structure(keras_array, part) for part in validation_data)
         num_examples = len(source)
         refuse_batched_records(source, self, augment)
-        plan = self._weights_plan(sample_weight, class_weight, num_examples)
+        plan = self._weights_plan(sample_weight, class_weight, num_examples).replace(
+            per_example_extras={name: column[:num_examples] for name, column in extras.items()} or None)
         x, y = source.head(GUARD_ROWS + DONOR_SEARCH)  # what the guard and the build read: never all of the data
         if augment is not None:
             x = augment_examples(augment, x)
@@ -279,7 +289,7 @@ class DPFitting:
         step t, one global batch per step, which tf.distribute replicas split by chunks (never
         duplicate), each worker reading only its replicas' examples from the source."""
         strategy, secure = self.distribute_strategy, self.optimizer.secure_mode
-        extras = self._per_example_extras(len(source))
+        extras = {**sample_weight_extras(self.step_plan.sample_weights), **(self.step_plan.per_example_extras or {})}
         augment_views = views.count if views.view_axis and augment is not None else 1
         loading = dict(source=source, augment=augment, views=augment_views, scheme=scheme,
                        first_step=steps_taken.read)
@@ -303,10 +313,23 @@ class DPFitting:
                 "one shared Poisson batch per step and splits it across all workers."
             )
 
-    def _per_example_extras(self, num_examples: int) -> dict:
-        """Per-example arrays the Poisson stream carries besides x and y (DP-SGD: the sample
-        weights, if any; padding rows get weight 0)."""
-        return sample_weight_extras(self.step_plan.sample_weights)
+    def _checked_per_example_extras(self, extras: Optional[dict], num_examples: int) -> dict:
+        """fit's ``per_example_extras`` as numpy arrays with one row per example (all rows,
+        before a validation split), for a model whose own train step reads them."""
+        if extras is None:
+            return {}
+        if type(self).train_step is DPTrainStep.train_step:
+            raise ValueError(f"`per_example_extras` are read by a train step of a model's own; "
+                             f"{type(self).__name__} uses DPModel's, which reads none. Remove the argument.")
+        if not isinstance(extras, dict):
+            raise TypeError(f"`per_example_extras` must be a dict {{name: per-example array}}, got "
+                            f"{type(extras).__name__}.")
+        columns = {name: np.asarray(column) for name, column in extras.items()}
+        for name, column in columns.items():
+            if column.ndim == 0 or column.shape[0] != num_examples:
+                raise ValueError(f"`per_example_extras[{name!r}]` needs one row per training example "
+                                 f"({num_examples}), got shape {list(column.shape)}.")
+        return columns
 
     def _require_dp_compiled(self):
         if not isinstance(getattr(self, "optimizer", None), DPOptimizer) or self._dp_loss is None:

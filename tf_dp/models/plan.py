@@ -3,7 +3,8 @@
 Everything the compiled step reads besides its tensor inputs and the model's variables is a
 constant of its trace: the ledger it records into, the views each unit contributes
 (docs/algorithms.md §8, §11), the class-weight table and the nesting of fit's sample weights
-(§1: ℓ_i is the weighted loss of example i). They live in one frozen plan; the model holds
+(§1: ℓ_i is the weighted loss of example i), and the names of the per-example columns a
+train step of its own reads with each example. They live in one frozen plan; the model holds
 the current one (``DPTrainStep.step_plan``), and setting a plan that differs from it drops
 the traced train function there and nowhere else, so a new option retraces by construction.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -35,6 +36,11 @@ class StepPlan:
         nested), carried with each Poisson-sampled example by the input pipeline. They are
         data, not constants of the trace: compared by their nesting only
         (``sample_weight_layout``).
+      per_example_extras: fit's ``per_example_extras``, {name: array with one row per
+        training example} carried with each Poisson-sampled example into the batch the
+        train step receives (``data[name]``), for a per-example objective that reads
+        more than x and y (tf_dp.models.objective). Data, compared by their names only
+        (``extra_names``).
     """
 
     ledger: object = None
@@ -42,6 +48,8 @@ class StepPlan:
     class_weights: Optional[Tuple[float, ...]] = None
     sample_weights: object = field(default=None, compare=False, repr=False)
     sample_weight_layout: Optional[str] = field(default=None, init=False)
+    per_example_extras: Optional[Mapping[str, object]] = field(default=None, compare=False, repr=False)
+    extra_names: Tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self):
         if not isinstance(self.views, AugmentationViews):
@@ -52,10 +60,29 @@ class StepPlan:
         layout = None if self.sample_weights is None else repr(
             tf.nest.map_structure(lambda _: None, self.sample_weights))
         object.__setattr__(self, "sample_weight_layout", layout)  # frozen: set once, here
+        object.__setattr__(self, "extra_names", _extra_names(self.per_example_extras))
 
     def replace(self, **changes) -> "StepPlan":
         """A copy with ``changes`` (the plan itself is never modified)."""
         return dataclasses.replace(self, **changes)
+
+
+RESERVED_BATCH_KEYS = ("x", "y", "mask", "expected_batch_size")  # the Poisson batch's own entries
+
+
+def _extra_names(extras) -> Tuple[str, ...]:
+    """The sorted names of ``per_example_extras``, refusing what the batch cannot carry."""
+    if extras is None:
+        return ()
+    if not isinstance(extras, Mapping):
+        raise TypeError(f"`per_example_extras` must be a dict {{name: per-example array}}, got "
+                        f"{type(extras).__name__}.")
+    for name in extras:
+        if not isinstance(name, str) or name in RESERVED_BATCH_KEYS or name.startswith("sample_weight"):
+            raise ValueError(f"`per_example_extras` name {name!r} is not allowed: use a string other than "
+                             f"{RESERVED_BATCH_KEYS} and not starting with 'sample_weight' (the batch's own "
+                             "entries).")
+    return tuple(sorted(extras))
 
 
 def class_weight_table(class_weight: dict) -> Tuple[float, ...]:

@@ -19,6 +19,7 @@ from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.clipping.engine import view_of
 from tf_dp.models.data import is_poisson_batch
 from tf_dp.models.losses import WeightedTargets, class_weights_of, unpack_targets, without_unused_targets
+from tf_dp.models.objective import COMPILED_LOSS, PerExampleObjective
 from tf_dp.models.plan import StepPlan, class_weight_table
 from tf_dp.optimizers import DPOptimizer
 
@@ -39,28 +40,38 @@ class DPTrainStep:
         if not isinstance(self.optimizer, DPOptimizer):
             raise TypeError("A DPModel trains only with a tf_dp DP optimizer; recompile with one.")
         x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
-        return self._dp_step(x, y, mask, expected_batch_size)
+        logs, _ = self._dp_step(x, y, mask, expected_batch_size)
+        return logs
 
-    def _dp_step(self, x, y, mask, expected_batch_size):
+    def _dp_step(self, x, y, mask, expected_batch_size, objective: PerExampleObjective = COMPILED_LOSS):
         """One DP step. σ is read once: the noise and the ledger use the same value, and the
-        noise counter is the ledger's step count (unique over the model's life)."""
+        noise counter is the ledger's step count (unique over the model's life).
+
+        Args:
+          objective: the per-example term whose gradients are clipped and the labels the
+            metrics read (tf_dp.models.objective; default: the compiled loss ℓ_i, §1).
+
+        Returns:
+          (logs, release): the step's logs and its release factor (1 if the step was
+          released, 0 if the budget or the full ledger refused it: nothing was applied).
+        """
         optimizer, ledger = self.optimizer, self._ledger_of_plan()
         dp_step, sigma = ledger.steps.read_value(), optimizer.noise_multiplier_tensor()
         points = optimizer.evaluation_points(self.trainable_variables)
         wants_norms = getattr(optimizer, "adaptive_clip", None) is not None  # C_{t+1} from the batch's norms
         clipped_sums, squared_norms = self._clipped_sum_over_chunks(x, y, mask, optimizer.clip_bound(), points,
-                                                                    wants_norms)
+                                                                    wants_norms, objective)
         # Before the update: a step is released only if the budget allows it AND the ledger
         # recorded it (0 when its table is full: the host then stops training).
-        self._release = ledger.record_step(sigma, self.step_limit.allows(dp_step, sigma))
+        release = ledger.record_step(sigma, self.step_limit.allows(dp_step, sigma))
         optimizer.apply_private_gradients(
             clipped_sums, self.trainable_variables, expected_batch_size, self._regularization_gradients(),
-            dp_step=dp_step, noise_multiplier=sigma, release=self._release,
+            dp_step=dp_step, noise_multiplier=sigma, release=release,
             squared_norms=squared_norms, mask=tf.reshape(mask, [-1]) if wants_norms else None,
         )
         # The ledger's refusal count rides with the logs (public: a function of σ and the
         # table); the host reads it from them, cheaper than a variable read per execution.
-        return {**self._step_logs(), **for_multi_worker_reduce({REFUSED_LOG: ledger.refused_steps()})}
+        return {**self._step_logs(), **for_multi_worker_reduce({REFUSED_LOG: ledger.refused_steps()})}, release
 
     def make_train_function(self, force=False):
         """Keras' train function between two host checks.
@@ -191,7 +202,8 @@ class DPTrainStep:
             sample_weight = class_weights_of(y, table)
         return y if sample_weight is None else WeightedTargets(y, sample_weight)
 
-    def _clipped_sum_over_chunks(self, x, y, mask, clip, points, with_squared_norms=False):
+    def _clipped_sum_over_chunks(self, x, y, mask, clip, points, with_squared_norms=False,
+                                 objective: PerExampleObjective = COMPILED_LOSS):
         """Σ over the batch's chunks of Σ_i c_i g_i, and — if asked, for an adaptive clip
         bound — every example's squared norm concatenated over chunks ([chunks·P]; else
         None); also counts non-finite examples."""
@@ -205,12 +217,12 @@ class DPTrainStep:
                                element_shape=mask.shape[1:]) if with_squared_norms else ()
         totals = ([tf.zeros_like(v) for v in self.trainable_variables], tf.constant(0.0), norms)
         if static_chunks == 1:
-            totals = self._clip_chunk(*chunk(0), clip, points, totals, 0)
+            totals = self._clip_chunk(*chunk(0), clip, points, totals, 0, objective)
         else:
             chunks = tf.shape(mask)[0]
             _, totals = tf.while_loop(
                 lambda index, _: index < chunks,
-                lambda index, t: (index + 1, self._clip_chunk(*chunk(index), clip, points, t, index)),
+                lambda index, t: (index + 1, self._clip_chunk(*chunk(index), clip, points, t, index, objective)),
                 (tf.constant(0), totals))
         sums, nonfinite, norms = totals
         if not self._dp["private_logs"]:
@@ -218,18 +230,19 @@ class DPTrainStep:
             self.nonfinite_examples.assign_add(nonfinite)
         return sums, (norms.concat() if with_squared_norms else None)
 
-    def _clip_chunk(self, x, y, mask, clip, points, totals, index):
-        result = clipped_gradient_sum(self, self._chunk_loss(), x, y, mask, clip, engine=self._dp["engine"],
+    def _clip_chunk(self, x, y, mask, clip, points, totals, index, objective: PerExampleObjective):
+        loss = objective.per_example_loss(self._dp_loss)
+        result = clipped_gradient_sum(self, loss, x, y, mask, clip, engine=self._dp["engine"],
                                       points=points, clipping=getattr(self.optimizer, "clipping", None),
                                       views=self.step_plan.views)
         if not self._dp["private_logs"]:
-            self._track_train_metrics(x, y, mask, result)
+            self._track_train_metrics(x, y, mask, result, objective)
         sums, nonfinite, norms = totals
         if not isinstance(norms, tuple):
             norms = norms.write(index, tf.cast(result.squared_norms, tf.float32))
         return [s + c for s, c in zip(sums, result.clipped_sums)], nonfinite + result.nonfinite_count(mask), norms
 
-    def _track_train_metrics(self, x, y, mask, result):
+    def _track_train_metrics(self, x, y, mask, result, objective: PerExampleObjective):
         if self.step_plan.views.targets_per_view:  # user-level (§11): the engine
             y = view_of(y, 0)  # reports view 0's predictions and losses, each sampled user's first example
         real = tf.reduce_sum(mask)
@@ -237,15 +250,7 @@ class DPTrainStep:
         real_losses = tf.where(tf.cast(mask, tf.bool), losses, 0.0)  # padding rows may give NaN losses
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(real_losses), real)
         self._loss_tracker.update_state(mean_loss + self._regularization_loss(), sample_weight=real)
-        self.compute_metrics(x, self._targets(y), result.y_pred, sample_weight=self._metric_weights(y, mask))
-
-    def _chunk_loss(self):
-        """The per-example loss whose gradients are clipped (subclasses add terms)."""
-        return self._dp_loss
-
-    def _targets(self, y):
-        """The labels inside ``y`` (subclasses may pack more per-example columns into it)."""
-        return unpack_targets(y)[0]
+        self.compute_metrics(x, objective.labels_of(y), result.y_pred, sample_weight=self._metric_weights(y, mask))
 
     def _metric_weights(self, y, mask):
         """Metric weights: the 0/1 padding mask times the examples' sample weights, if any.

@@ -3,11 +3,17 @@
 Each step, on one Poisson batch:
   1. Ĥ = H + Laplace(1/b): the histogram of tempered softmax outputs per (partition, class);
   2. Γ_j(Ĥ) and W[q, k] = Σ_j λ_j ∂Γ_j/∂p_k, read off Ĥ only (post-processing);
-  3. each example's Lagrangian term ℓ_i + L · W[q_i]·p̃(x_i) (W constant) is clipped and
+  3. each example's Lagrangian term ℓ_i + L · W[π_i]·p̃(x_i) (W constant) is clipped and
      noised exactly as DP-SGD: ĝ = (Σ_i clip_C(∇term_i) + N(0, σ²C²I)) / L;
   4. λ_j ← max(0, λ_j + η_λ (Γ_j(Ĥ) − γ_j))  (projected dual ascent, free).
 The Gaussian and the Laplace read the same batch: one subsampled mechanism, accounted
 jointly (tf_dp.raco.accounting).
+
+RaCO-DP is a plug-in of the DP step built from its parts (docs/design.md): its sampling
+scheme (tf_dp.raco.sampling) and accountant, the group ids as fit's ``per_example_extras``,
+and step 3's term as a ``PerExampleObjective`` built from each step's Ĥ and passed to the
+step (``lagrangian_objective``). It overrides no private method of DPModel and keeps no
+state on the model between building a value and using it.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import tensorflow as tf
 
 from tf_dp import _checks
 from tf_dp.models.dp_model import DPModel, functional_variant
+from tf_dp.models.objective import PerExampleObjective
 from tf_dp.raco.constraints import Constraint, ConstraintSet
 from tf_dp.raco.histogram import NoisyHistogram, tempered
 from tf_dp.raco.sampling import JointPoissonSampling
 
 _STORE_KEY = "raco_multipliers"
+GROUPS = "groups"  # the per-example column of group ids in fit's batches
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
@@ -74,20 +82,30 @@ class RateConstrainedModel(DPModel):
 
     # ------------------------------------------------------------------ data
     def fit(self, x=None, y=None, groups=None, **kwargs):
-        """Like DPModel.fit, plus ``groups``: each training example's sensitive-group id."""
+        """DPModel.fit with RaCO-DP's joint Poisson sampling (docs/algorithms.md §5.5).
+
+        Args:
+          x, y: the training arrays (y: class ids in [0, K)).
+          groups: each training example's sensitive-group id in [0, num_groups), carried
+            with each sampled example as a per-example column (``per_example_extras``).
+          **kwargs: DPModel.fit's arguments (``batch_size`` = L, ``epochs``, ...).
+
+        Returns:
+          The Keras History, with ``lambda_j`` and ``max_violation`` each epoch.
+        """
         self._require_raco_compiled()
         if kwargs.get("validation_split"):
             raise ValueError("Pass `validation_data` instead of `validation_split` to RateConstrainedModel.fit.")
         if isinstance(x, tf.data.Dataset):
             raise ValueError("RateConstrainedModel.fit needs arrays x, y and groups (Poisson batches, accounted "
                              "jointly with the histogram); a tf.data.Dataset is not supported.")
-        self._fit_groups = self._checked_groups(groups, y)
+        if "per_example_extras" in kwargs:
+            raise ValueError("RateConstrainedModel.fit carries `groups` itself: pass no `per_example_extras`.")
         scale = float(self.histogram.noise_scale)
-        try:
-            return super().fit(x, y, sampling=lambda n, size: JointPoissonSampling(n, size, histogram_noise=scale),
-                               **kwargs)
-        finally:
-            self._fit_groups = None
+        callbacks = [MultiplierReport(), *(kwargs.pop("callbacks", None) or [])]  # λ in the logs user callbacks see
+        return super().fit(x, y, sampling=lambda n, size: JointPoissonSampling(n, size, histogram_noise=scale),
+                           per_example_extras={GROUPS: self._checked_groups(groups, y)}, callbacks=callbacks,
+                           **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
         raise ValueError("RateConstrainedModel trains with fit(x, y, groups=..., batch_size=...) (Poisson batches).")
@@ -109,17 +127,23 @@ class RateConstrainedModel(DPModel):
                              "members (set num_groups to the number of groups present).")
         return groups.astype(np.int32)
 
-    def _per_example_extras(self, num_examples):
-        return {"groups": self._fit_groups}
-
     def _require_raco_compiled(self):
         if getattr(self, "constraint_set", None) is None:
             raise RuntimeError("Compile the RateConstrainedModel with `constraints=[...]` before fit.")
 
     # ------------------------------------------------------------- the step
     def train_step(self, data):
+        """One RaCO-DP step (docs/algorithms.md §5): Ĥ, then the primal DP step on the
+        Lagrangian terms built from Ĥ, then the dual step on λ, kept only if the step was released.
+
+        Args:
+          data: a Poisson batch from fit: x, y, mask, expected_batch_size and ``groups``.
+
+        Returns:
+          The step's logs.
+        """
         x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
-        partitions = self.constraint_set.partitioning.ids(data["groups"], y)
+        partitions = self.constraint_set.partitioning.ids(data[GROUPS], y)
         # ONE noisy histogram of the whole global batch, identical on every replica: this
         # replica's counts are all-reduced and one Laplace draw is added (NoisyHistogram.release).
         # Γ, N̂, W and the dual step below all read it, so they agree across replicas too.
@@ -134,11 +158,12 @@ class RateConstrainedModel(DPModel):
             updated = tf.maximum(0.0, multipliers + self.dual_learning_rate * (values - self.constraint_set.bounds))
         else:
             multipliers = updated = self.fixed_penalty * tf.cast(violated, tf.float32)
-        self._lagrangian = (self.constraint_set.coefficients(noisy, multipliers), expected_batch_size)
+        objective = lagrangian_objective(self._dp_loss, self.constraint_set.coefficients(noisy, multipliers),
+                                         expected_batch_size, self.histogram.temperature)
         packed = tf.stack([tf.cast(y, tf.int32), partitions], axis=-1)
-        logs = self._dp_step(x, packed, mask, expected_batch_size)
+        logs, release = self._dp_step(x, packed, mask, expected_batch_size, objective=objective)
         # A step the privacy budget blocked releases nothing: λ and Γ keep their values.
-        released = self._release > 0
+        released = release > 0
         self.multipliers.assign(tf.where(released, updated, multipliers))
         self.constraint_values.assign(tf.where(released, values, previous_values))
         return logs
@@ -149,24 +174,6 @@ class RateConstrainedModel(DPModel):
         probabilities = self(tf.nest.map_structure(flat, x), training=True)
         return self.histogram.counts(tf.stop_gradient(probabilities), flat(partitions), flat(mask))
 
-    def _chunk_loss(self):
-        coefficients, expected_batch_size = self._lagrangian
-        base_loss, temperature = self._dp_loss, self.histogram.temperature
-
-        def lagrangian_terms(packed, probabilities):
-            labels, partitions = packed[..., 0], packed[..., 1]
-            weights = tf.gather(tf.stop_gradient(coefficients), partitions)
-            penalty = tf.reduce_sum(weights * tempered(probabilities, temperature), axis=-1)
-            return base_loss(labels, probabilities) + tf.cast(expected_batch_size, penalty.dtype) * penalty
-
-        return lagrangian_terms
-
-    def _targets(self, packed):
-        return packed[..., 0]
-
-    def _privacy_callbacks(self, scheme, planned_steps):
-        return super()._privacy_callbacks(scheme, planned_steps) + [MultiplierReport()]
-
     # -------------------------------------------------- saving the multipliers
     def save_own_variables(self, store):
         super().save_own_variables(store)
@@ -175,10 +182,8 @@ class RateConstrainedModel(DPModel):
 
     def load_own_variables(self, store):
         keys = set(store.keys())
-        if _STORE_KEY in keys:
-            self._pending_multipliers = np.asarray(store[_STORE_KEY])
-            if getattr(self, "multipliers", None) is not None:
-                self.multipliers.assign(self._pending_multipliers)
+        if _STORE_KEY in keys and getattr(self, "multipliers", None) is not None:
+            self.multipliers.assign(np.asarray(store[_STORE_KEY]))
         super().load_own_variables({k: store[k] for k in keys - {_STORE_KEY}})
 
     def get_compile_config(self):
@@ -201,6 +206,38 @@ class RateConstrainedModel(DPModel):
 
 
 RateConstrainedFunctional = functional_variant(RateConstrainedModel, "RateConstrainedFunctional")
+
+
+def lagrangian_objective(base_loss, coefficients, expected_batch_size, temperature: float) -> PerExampleObjective:
+    """The per-example Lagrangian term of one RaCO-DP step (docs/algorithms.md §5.3):
+
+        term_i = ℓ_i + L · Σ_k W[π_i, k] · p̃_k(x_i),   W under stop_gradient,
+
+    so that (1/L) Σ_i ∇term_i = (1/L) Σ_i ∇ℓ_i + Σ_j λ_j ∇Γ_j. Its y is packed as
+    [..., (label, partition π_i)]; the metrics read the label column.
+
+    Args:
+      base_loss: the compiled per-example loss ℓ(labels, probabilities) -> [P].
+      coefficients: W [num_partitions, K], ``ConstraintSet.coefficients`` of this step's
+        noisy histogram Ĥ and λ (post-processing of Ĥ, §5.2: public).
+      expected_batch_size: L, the public constant ĝ is divided by.
+      temperature: T of the tempered probabilities p̃ = softmax(log p / T) (§5.1).
+
+    Returns:
+      The PerExampleObjective the step clips: clip_C(∇term_i) for each example (§1 step 3).
+    """
+    def lagrangian_terms(packed, probabilities):
+        labels, partitions = packed[..., 0], packed[..., 1]
+        weights = tf.gather(tf.stop_gradient(coefficients), partitions)
+        penalty = tf.reduce_sum(weights * tempered(probabilities, temperature), axis=-1)
+        return base_loss(labels, probabilities) + tf.cast(expected_batch_size, penalty.dtype) * penalty
+
+    return PerExampleObjective(loss=lagrangian_terms, labels=label_column)
+
+
+def label_column(packed):
+    """The labels of a RaCO-DP y packed as [..., (label, partition)]."""
+    return packed[..., 0]
 
 
 class MultiplierReport(keras.callbacks.Callback):
