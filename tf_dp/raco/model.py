@@ -37,21 +37,38 @@ GROUPS = "groups"  # the per-example column of group ids in fit's batches
 
 @keras.saving.register_keras_serializable(package="tf_dp")
 class RateConstrainedModel(DPModel):
-    """A DPModel trained under rate constraints (fairness and others) with RaCO-DP.
+    """A DPModel trained under rate constraints (fairness and others) with RaCO-DP (docs/algorithms.md §5).
 
     ``compile(optimizer, loss, metrics, constraints=[...], num_groups=Z, histogram_noise=1/b,
     dual_learning_rate=η_λ, histogram_temperature=T, ...)`` and
     ``fit(x, y, groups=z, batch_size=L, ...)``. The model must output probabilities
     (softmax). λ are saved with the model and logged each epoch.
+
+    Attributes:
+      constraint_set: the compiled constraints Γ_j ≤ γ_j (§5.2).
+      histogram: the NoisyHistogram Ĥ = H + Laplace(1/b) released each step (§5.1).
+      multipliers: λ_j ≥ 0, updated by the dual step (§5.4), saved with the model.
+      constraint_values: Γ_j(Ĥ) of the last released step.
     """
 
     def compile(self, optimizer=None, loss=None, metrics=None, *, constraints: Sequence[Constraint] = (),
                 num_groups: int = 2, histogram_noise: float = 2.0, dual_learning_rate: float = 0.1,
                 histogram_temperature: float = 1.0, fixed_penalty: Optional[float] = None,
                 target_epsilon: Optional[float] = None, **kwargs):
-        """``fixed_penalty=λ`` replaces the dual ascent by the constant-λ baseline: each step
-        penalises λ·max(0, Γ_j(Ĥ) − γ_j), i.e. multipliers λ·[Γ_j > γ_j] (a constant λ on
-        every Γ_j would cancel: demographic-parity gaps of complementary groups sum to 0)."""
+        """DPModel.compile plus RaCO-DP's settings (docs/algorithms.md §5).
+
+        Args:
+          constraints: the rate constraints (DemographicParity, EqualizedOdds, ...).
+          num_groups: Z, the number of sensitive groups (ids in [0, Z)).
+          histogram_noise: the Laplace scale 1/b of Ĥ (§5.1), accounted jointly (§5.5).
+          dual_learning_rate: η_λ of λ_j ← max(0, λ_j + η_λ (Γ_j(Ĥ) − γ_j)) (§5.4).
+          histogram_temperature: T of the tempered probabilities p̃ (§5.1).
+          fixed_penalty: λ replaces the dual ascent by the constant-λ baseline: each step
+            penalises λ·max(0, Γ_j(Ĥ) − γ_j), i.e. multipliers λ·[Γ_j > γ_j] (a constant λ
+            on every Γ_j would cancel: demographic-parity gaps of complementary groups sum to 0).
+          target_epsilon: refused (calibrate with tf_dp.raco.calibrate_noise_multiplier).
+          **kwargs: DPModel.compile's arguments.
+        """
         if target_epsilon is not None:
             raise ValueError(
                 "`target_epsilon` calibration of RateConstrainedModel is not built in: choose σ or the number of "
