@@ -16,8 +16,9 @@ processes="${TF_DP_TEST_PROCESSES:-2}"
 echo "test.sh: lint (ruff)"
 ruff check tf_dp tests examples benchmarks tools
 # Two processes, one test file each at a time (module fixtures stay in one process): most of a
-# test is single-threaded tracing, so two files overlap well on 2 cores. The summary line gives
-# the counts; --durations lists the slowest tests.
+# test is single-threaded tracing, so two files overlap well on 2 cores. The files are handed out
+# longest first (tests/file_seconds.txt, tests/conftest.py), so no long file is left to run alone
+# at the end. The summary line gives the counts; --durations lists the slowest tests.
 echo "test.sh: the suite ${tier[*]:+(fast tier) }on $processes processes"
 python -m pytest tests -n "$processes" --dist loadfile --durations=15 "${tier[@]}" "$@"
 # test_kernel_routes.py's route checks already run each oneDNN setting in a subprocess of its own
