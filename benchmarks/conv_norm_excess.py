@@ -11,13 +11,13 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tf_dp  # noqa: E402
-from conftest import flat_norms, loop_per_example_gradients, sparse_ce  # noqa: E402
+from tests.harness import flat_norms, loop_per_example_gradients, sparse_ce  # noqa: E402
 
 SHAPES = [(1, 8, 2, 28), (16, 4, 2, 13), (3, 3, 1, 16), (8, 5, 1, 32)]  # C_in, kernel, stride, H = W
 

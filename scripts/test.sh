@@ -23,9 +23,10 @@ echo "test.sh: the suite ${tier[*]:+(fast tier) }on $processes processes"
 python -m pytest tests -n "$processes" --dist loadfile --durations=15 "${tier[@]}" "$@"
 # test_kernel_routes.py's route checks already run each oneDNN setting in a subprocess of its own
 # (TF_ENABLE_ONEDNN_OPTS set there): only its in-process kernel probe depends on this switch.
-clipping_tests=(tests/test_clipping.py tests/test_clipping_float_safety.py tests/test_recurrent_in_graph.py
-                tests/test_kernel_routes.py::test_grouped_kernel_probe_is_cached_and_agrees_with_the_kernel)
-for extra in tests/test_batch_free_inputs.py; do [ -f "$extra" ] && clipping_tests+=("$extra"); done
+clipping_tests=(tests/clipping/test_clipping.py tests/clipping/test_clipping_float_safety.py
+                tests/clipping/test_recurrent_in_graph.py
+                tests/clipping/test_kernel_routes.py::test_grouped_kernel_probe_is_cached_and_agrees_with_the_kernel)
+for extra in tests/clipping/test_batch_free_inputs.py; do [ -f "$extra" ] && clipping_tests+=("$extra"); done
 onednn_now=$(python -c "from tensorflow.python.util import _pywrap_util_port as p; print(int(p.IsMklEnabled()))" 2>/dev/null | tail -n 1)
 if [ "$onednn_now" = "1" ]; then other=0; else other=1; fi
 echo "test.sh: kernel-route tests again with TF_ENABLE_ONEDNN_OPTS=$other (oneDNN was $onednn_now)"

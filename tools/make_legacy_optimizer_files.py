@@ -12,7 +12,7 @@ for 2 Poisson steps with ``fit`` and writes
 
 It also writes ``reference_steps.npz``: the weights after one seeded ``train_on_batch`` of
 DPSGD and DPAdam on a fixed model and batch, so the new code can show its noise is bit for
-bit the old one (same Philox keys and counters). tests/test_legacy_optimizers.py reads both.
+bit the old one (same Philox keys and counters). tests/optimizers/test_legacy_optimizers.py reads both.
 """
 
 from __future__ import annotations

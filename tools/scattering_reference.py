@@ -1,5 +1,5 @@
 """Writes tests/data/scattering_reference.npz: Kymatio's order-2 scattering of two real MNIST
-digits and one random RGB image, the independent reference of tests/test_scattering.py.
+digits and one random RGB image, the independent reference of tests/features/test_scattering.py.
 
 Needs kymatio (0.3.0; only its 2D NumPy frontend, since ``kymatio.numpy`` itself fails to import
 with SciPy ≥ 1.15):  pip install --no-deps kymatio appdirs configparser && python tools/scattering_reference.py
