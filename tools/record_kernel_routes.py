@@ -4,7 +4,7 @@ oneDNN (tf_dp/clipping/kernels.py): the grouped filter-gradient route of a convo
 check of a vectorized per-example map. Those are the tests scripts/test.sh must run under
 both TF_ENABLE_ONEDNN_OPTS settings.
 
-    PYTHONPATH=tools TF_ENABLE_ONEDNN_OPTS=1 python -m pytest -p record_kernel_routes tests/test_x.py
+    PYTHONPATH=tools TF_ENABLE_ONEDNN_OPTS=1 python -m pytest -p record_kernel_routes tests/clipping/test_x.py
     # appends "nodeid<TAB>decision" lines to kernel_route_hits.tsv (KERNEL_ROUTE_HITS overrides)
 """
 

@@ -27,7 +27,7 @@ from tf_dp.models.plan import StepPlan
 from tf_dp.models.step import DPTrainStep
 from tf_dp.raco import DemographicParity, RateConstrainedModel
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORE = [*sorted((ROOT / "tf_dp" / "models").glob("*.py")), *sorted((ROOT / "tf_dp" / "noise").glob("*.py")),
         ROOT / "tf_dp" / "accounting" / "ledger.py"]
 # "histogram" alone also names the image histogram of Keras' Equalization layer (validation.py's
