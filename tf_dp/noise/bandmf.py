@@ -18,6 +18,12 @@ The privacy account of this noise holds only with cyclic Poisson sampling
 (``tf_dp.sampling.CyclicPoissonSampler``: example i may join only steps t ≡ group(i) mod b), so
 ``required_sampling = "cyclic_poisson"``; the event is ``tf_dp.accounting.bandmf.bandmf_event``.
 
+Several tf.distribute replicas (docs/algorithms.md §10.4): the recursion is linear, so each of
+the R replicas runs it on its own SHARE, ζ_t^r ~ N(0, I) on its own Philox stream scaled by the
+share's std σC/√R, with its own buffer (per-replica ``ON_READ`` variables); the all-reduced sum
+Σ_r w_t^r = C⁻¹(Σ_r z^r)_t with Σ_r z_t^r ~ N(0, σ²C² I): the single-device mechanism's
+distribution, as for white noise (``tf_dp.optimizers.transforms.privatize``).
+
 Secrecy (docs/algorithms.md §10, Appendix B): the buffer determines future noise exactly as the
 key does, so it lives in ``tf.Variable``s held by a plain Python object (``_NoiseBuffer``, like
 ``tf_dp.noise.NoiseKey``) that neither Keras saving nor ``tf.train.Checkpoint`` can reach. A
@@ -164,17 +170,27 @@ class _NoiseBuffer:
     """
 
     def __init__(self, variables: Sequence, slots: int):
+        # Under a tf.distribute strategy every replica keeps its own buffer of its own shares
+        # (ON_READ: replica-local reads and writes, no aggregation of the secret buffer).
+        self.per_replica = tf.distribute.has_strategy()
+        self.replicas = _strategy_replicas()
         with tf.init_scope():
             self.variables = [
                 tf.Variable(tf.zeros([slots, *variable.shape], dtype=tf.as_dtype(variable.dtype)), trainable=False,
-                            name=f"bandmf_buffer_{index}")
+                            name=f"bandmf_buffer_{index}", **self._placement(tf.VariableAggregation.NONE))
                 for index, variable in enumerate(variables)
             ]
-            self.last_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bandmf_last_step")
+            counter = self._placement(tf.VariableAggregation.ONLY_FIRST_REPLICA)  # equal on every replica
+            self.last_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bandmf_last_step", **counter)
             # The first step of the current segment (the latest start from a zero buffer).
-            self.first_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bandmf_first_step")
+            self.first_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bandmf_first_step", **counter)
         self.shapes = [tuple(variable.shape) for variable in variables]
         self.dtypes = [tf.as_dtype(variable.dtype) for variable in variables]
+
+    def _placement(self, aggregation) -> dict:
+        if not self.per_replica:
+            return {}
+        return {"synchronization": tf.VariableSynchronization.ON_READ, "aggregation": aggregation}
 
     def matches(self, variables: Sequence) -> bool:
         return [tuple(v.shape) for v in variables] == self.shapes and [tf.as_dtype(v.dtype) for v in variables] \
@@ -182,7 +198,7 @@ class _NoiseBuffer:
 
     def zero(self) -> None:
         for buffer in self.variables:
-            buffer.assign(tf.zeros_like(buffer))
+            buffer.assign(tf.zeros(buffer.shape, buffer.dtype), read_value=False)
         self.last_step.assign(-1)
         self.first_step.assign(-1)
 
@@ -201,10 +217,19 @@ class _NoiseBuffer:
         self.first_step.assign(tf.where(starting, step, self.first_step.read_value()))
 
         def restart():
-            with tf.control_dependencies([b.assign(tf.zeros_like(b)) for b in self.variables]):
+            with tf.control_dependencies([b.assign(tf.zeros(b.shape, b.dtype), read_value=False)
+                                          for b in self.variables]):
                 return tf.constant(True)
 
         return tf.cond((last < 0) | continuing, lambda: tf.constant(False), restart)
+
+    def write(self, buffer: tf.Variable, slot: tf.Tensor, unit_noise: tf.Tensor) -> None:
+        """buffer[slot] ← w̄_t. ON_READ variables have no scatter: the whole ring is rewritten."""
+        if self.per_replica:
+            buffer.assign(tf.tensor_scatter_nd_update(buffer.read_value(), tf.reshape(slot, [1, 1]),
+                                                      unit_noise[tf.newaxis]), read_value=False)
+        else:
+            buffer.scatter_update(tf.IndexedSlices(unit_noise[tf.newaxis], tf.reshape(slot, [1])))
 
     def position(self) -> tf.Tensor:
         """n = t − first step of the segment, for the latest step t written (0 before any)."""
@@ -228,7 +253,8 @@ class BandMF(Privatizer):
 
     Use with ``tf_dp.DPSGD(..., noise=tf_dp.noise.BandMF(4))``; ``fit`` then samples with
     ``tf_dp.sampling.CyclicPoissonSampler`` (each example in one of b groups, q_b = b·L/N).
-    Single replica only (a multi-replica strategy is refused).
+    Under R tf.distribute replicas each replica runs the recursion on its share (std σC/√R, its
+    own stream and buffer); the all-reduced noise is C⁻¹z as on one device (§10.4).
     """
 
     required_sampling = "cyclic_poisson"
@@ -244,12 +270,13 @@ class BandMF(Privatizer):
 
     # -- state --
     def build(self, variables: Sequence) -> None:
-        """Creates the zero buffer of b vectors per variable (eagerly, before tracing)."""
-        _refuse_replicas(_strategy_replicas(), self.num_bands)
+        """Creates the zero buffer of b vectors per variable (eagerly, before tracing; per replica
+        under a tf.distribute strategy's scope)."""
         variables = list(variables)
         if self.num_bands == 1:
             return
-        if self._buffer is None or not self._buffer.matches(variables):
+        if self._buffer is None or not self._buffer.matches(variables) \
+                or self._buffer.replicas != _strategy_replicas():
             self._buffer = _NoiseBuffer(variables, self.num_bands)
 
     def reset(self, dp_step: int = 0) -> None:
@@ -282,6 +309,10 @@ class BandMF(Privatizer):
         N(0, I) draw) and the step releases x_t + s_t·w̄_t: exactly C⁻¹z while s is constant,
         and private at each participation's own σ when σ or the clip bound C changes (§10.1).
 
+        Under R replicas this is replica r's share: ``stddev`` is σC/√R, ζ_t^r its own stream,
+        the buffer its own, and Σ_r s_t w̄_t^r/√R = s_t C⁻¹(Σ_r ζ^r/√R)_t with Σ_r ζ^r/√R ~ N(0, I):
+        the all-reduced noise is distributed as one device's (docs/algorithms.md §10.4).
+
         Args:
           clipped_sums, stddev, key, dp_step, replica, replicas: as ``Privatizer.privatize``;
             z_t is ``gaussian_draw(..., key, dp_step, variable, replica, replicas)``. A second
@@ -290,12 +321,12 @@ class BandMF(Privatizer):
         Returns:
           The noisy sums x_t + w_t, one per variable.
         """
-        _refuse_replicas(replicas, self.num_bands)
         clipped_sums = list(clipped_sums)
         if self.num_bands == 1:  # C = [1]: the very computation of GaussianNoise
             return add_gaussian_noise(clipped_sums, stddev, key, dp_step, replica, replicas)
         if self._buffer is None or len(self._buffer.variables) != len(clipped_sums):
             raise RuntimeError("BandMF.privatize: call build(trainable_variables) first (the DP optimizer does).")
+        _refuse_replica_mismatch(self._buffer.replicas, replicas, self.num_bands)
         slot, past_coefficients = self._ring(dp_step)
         with tf.control_dependencies([self._buffer.restart_unless_continuing(tf.cast(dp_step, tf.int64))]):
             slot = tf.identity(slot)
@@ -303,7 +334,7 @@ class BandMF(Privatizer):
         for index, (clipped, buffer) in enumerate(zip(clipped_sums, self._buffer.variables)):
             unit_draw = gaussian_draw(tf.shape(clipped), clipped.dtype, 1.0, key, dp_step, index, replica, replicas)
             unit_noise = self._correlated(unit_draw, buffer, past_coefficients)
-            buffer.scatter_update(tf.IndexedSlices(unit_noise[tf.newaxis], tf.reshape(slot, [1])))
+            self._buffer.write(buffer, slot, unit_noise)
             noisy.append(clipped + tf.cast(stddev, clipped.dtype) * unit_noise)
         self._buffer.last_step.assign(tf.cast(dp_step, tf.int64))
         return noisy
@@ -357,10 +388,11 @@ def _strategy_replicas() -> int:
     return tf.distribute.get_strategy().num_replicas_in_sync if tf.distribute.has_strategy() else 1
 
 
-def _refuse_replicas(replicas, num_bands=None) -> None:
-    if isinstance(replicas, int) and replicas > 1:
-        shown = "BandMF" if num_bands is None else f"BandMF({num_bands})"
-        raise ValueError(f"noise={shown}: tf_dp.noise.BandMF supports a single replica for now (got {replicas} "
-                         "replicas): the correlated noise must act once on the all-reduced global sum with one "
-                         "buffer, while each replica privatizes its own share. Train without a multi-replica "
-                         "tf.distribute strategy, or use the default white Gaussian noise (noise=None) under it.")
+def _refuse_replica_mismatch(built_for: int, replicas, num_bands: int) -> None:
+    """The buffer must hold one ring per replica that privatizes: built under the strategy's scope."""
+    if isinstance(replicas, int) and replicas != built_for:
+        where = "a single replica (outside any tf.distribute strategy's scope)" if built_for == 1 else \
+            f"{built_for} replicas"
+        raise ValueError(f"noise=BandMF({num_bands}): the noise buffer was built for {where} but privatize runs on "
+                         f"{replicas} replicas: each replica needs its own buffer of its own noise shares. Build the "
+                         "DP optimizer (compile the model) under the same strategy's scope as training.")
