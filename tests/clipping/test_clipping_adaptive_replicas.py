@@ -1,6 +1,6 @@
 """AdaptiveClip under MirroredStrategy on 2 logical CPU devices (docs/algorithms.md §12): the
 below-threshold count is GLOBAL (summed over replicas), noised once, and C_{t+1} is the same on
-every replica; BandMF under several replicas is refused before any step (§10.4).
+every replica. (BandMF under several replicas: tests/noise/test_noise_bandmf_replicas.py.)
 The runs are in adaptive_replicas_worker.py (a subprocess: logical devices must be set first)."""
 
 import json
@@ -47,9 +47,3 @@ def test_the_global_count_is_noised_once(results):
     assert abs(results["count_noise_mean"]) < 5 * stddev / np.sqrt(steps)
     assert results["clip_identical_on_replicas"]
 
-
-def test_bandmf_under_two_replicas_is_refused_before_any_step(results):
-    error = results["bandmf_error"]
-    assert error is not None and error.startswith("ValueError")
-    assert "noise=BandMF(2)" in error and "single replica" in error and "noise=None" in error
-    assert results["bandmf_steps"] == 0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 WORKER = pathlib.Path(__file__).with_name("bandmf_replicas_worker.py")
-ROOT = str(WORKER.parent.parent)
+ROOT = str(WORKER.parents[2])
 
 
 @pytest.fixture(scope="module")
