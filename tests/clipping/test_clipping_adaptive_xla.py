@@ -35,3 +35,29 @@ def test_a_count_stddev_at_most_half_sigma_never_releases_a_bound(jit_compile):
     released = [phase.noise_multiplier for phase in model.privacy_ledger.phases()]
     assert released == [pytest.approx(sigma)]
     assert model.optimizer.l2_norm_clip == pytest.approx(1.0), "a noisy count was released at 2σ_b < σ"
+
+
+def test_next_bound_withholds_the_count_when_two_count_stddevs_do_not_exceed_sigma():
+    """Under XLA (where tf.debugging assertions are no-ops) next_bound(noise_multiplier=σ) keeps
+    C_t when 2σ_b ≤ σ, and otherwise equals the hand formula C_t·exp(−η(b̃ − γ)) with the same
+    Philox count noise (drawn here with noise_multiplier=None)."""
+    import tensorflow as tf
+
+    clip = AdaptiveClip(1.0, target_quantile=0.5, learning_rate=0.2, count_stddev=1.0)
+    args = (tf.constant(1.0), tf.constant([0.5, 4.0, 0.1]), tf.constant([1.0, 1.0, 1.0]), 3.0,
+            tf.constant(5, tf.int64), tf.constant(0, tf.int64))
+
+    @tf.function(jit_compile=True)
+    def bound(sigma):
+        return clip.next_bound(*args, noise_multiplier=sigma)
+
+    assert float(bound(tf.constant(3.0))) == 1.0  # 2σ_b = 2 ≤ 3: nothing released
+    assert float(bound(tf.constant(2.0))) == 1.0  # 2σ_b = σ: no σ_Δ either
+    assert float(bound(tf.constant(1.0))) != 1.0  # the comparison can fail: a count is released
+    # Without XLA (TF's Philox kernel, the same draw as eagerly):
+    bound = tf.function(lambda sigma: clip.next_bound(*args, noise_multiplier=sigma))
+    assert float(bound(tf.constant(3.0))) == 1.0
+    noise = float(clip.count_noise(args[4], args[5], 3.0))
+    centred = (1 - 0.5) + (0 - 0.5) + (1 - 0.5)  # norms² 0.5, 4.0, 0.1 against C² = 1
+    expected = np.exp(-0.2 * ((centred + noise) / 3.0 + 0.5 - 0.5))
+    assert float(bound(tf.constant(1.0))) == pytest.approx(expected, rel=1e-6)

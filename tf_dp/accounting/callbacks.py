@@ -7,6 +7,7 @@ import warnings
 import keras
 import numpy as np
 
+from tf_dp.accounting import events
 from tf_dp.accounting.accountant import largest_fitting
 
 _UNBOUNDED = 10**8  # more steps than any run takes: the budget does not bind
@@ -24,6 +25,7 @@ class PrivacyReport(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._first_batch = True
+        self._ledger_at_begin = _ledger_state(self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model.nonfinite_examples.assign(0.0)
@@ -31,7 +33,13 @@ class PrivacyReport(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self._first_batch:  # after every on_train_begin (a restored ledger)
             self._first_batch = False
-            self.model.reopen_phase()
+            if _ledger_state(self.model) != self._ledger_at_begin and _restarts_segments(self.model):
+                # BackupAndRestore replaced the ledger: this fit's sampler (new secret groups) and
+                # fresh noise buffer are a NEW segment, not the restored one's continuation
+                # (docs/algorithms.md §10.3): ⌈T₁/b⌉ + ⌈T₂/b⌉ rounds, not ⌈(T₁ + T₂)/b⌉.
+                self.model._open_phase(*self.model._phase_arguments, new_segment=True)
+            else:
+                self.model.reopen_phase()
 
 
     def on_epoch_end(self, epoch, logs=None):
@@ -44,6 +52,18 @@ class PrivacyReport(keras.callbacks.Callback):
                 logs["filtered_noise_std"] = float(attenuation**0.5 * logs["noise_std"])
             if getattr(optimizer, "adaptive_clip", None) is not None:  # C_t is public (docs/algorithms.md §12)
                 logs["l2_norm_clip"] = optimizer.l2_norm_clip
+
+
+def _ledger_state(model) -> tuple:
+    ledger = model.privacy_ledger
+    return id(ledger), ledger.phase_table.numpy().tobytes(), int(ledger.steps.numpy())
+
+
+def _restarts_segments(model) -> bool:
+    """Whether this fit's phase is of a scheme whose every fit is a new segment (BandMF's
+    "cyclic_poisson", docs/algorithms.md §10.3)."""
+    arguments = getattr(model, "_phase_arguments", None)
+    return bool(arguments) and arguments[0] in events._WHOLE_SEGMENTS
 
 
 class PrivacyBudget(keras.callbacks.Callback):
@@ -79,6 +99,7 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._warn_if_blocked_by_a_later_sigma()
+        self._stop_a_segment_a_blocked_step_misaligned()
         self._check_budget()  # a σ changed by a callback, or a phase the step opened
         if self._allowed_steps is not None and self._steps() >= self._allowed_steps:
             self.model.stop_training = True
@@ -93,6 +114,24 @@ class PrivacyBudget(keras.callbacks.Callback):
             warnings.warn("tf_dp: noise_multiplier was changed by a callback that runs after PrivacyBudget, after "
                           "the step limit was computed for the previous σ: the step refused the new σ and released "
                           "nothing. List PrivacyBudget after the callback that sets noise_multiplier.", stacklevel=2)
+
+    def _stop_a_segment_a_blocked_step_misaligned(self):
+        """A blocked step of a BandMF segment (scheme "cyclic_poisson", docs/algorithms.md §10.2)
+        stops training. The sampler has moved on to the next group while the DP counter (the
+        row of C the next release uses) has not: the groups' later released steps would be only
+        b − 1 apart from their earlier ones, their rows of C would overlap, and the segment's
+        account PoissonSampled(q_b, G(σ))^⌈T/b⌉ would under-state ε. A new ``fit`` starts a new
+        segment (new groups, fresh buffer), which is accounted correctly."""
+        sigma, steps = self._before_batch
+        phase = self.model.privacy_ledger.current_phase()
+        if phase is None or phase.scheme != "cyclic_poisson" or self._steps() != steps:
+            return
+        self.model.stop_training = True
+        warnings.warn("tf_dp: a BandMF step was blocked by the privacy budget (noise_multiplier changed by a "
+                      "callback after PrivacyBudget, or the budget reached): training stops, because the cyclic "
+                      "Poisson groups would no longer be b steps apart in the noise's rows. Call fit again to "
+                      "continue (a new segment), and list PrivacyBudget after callbacks that set "
+                      "noise_multiplier.", stacklevel=2)
 
     def on_train_end(self, logs=None):
         reached = self._allowed_steps is not None and self._steps() >= self._allowed_steps

@@ -147,7 +147,8 @@ class AdaptiveClip:
         updated = clip * tf.exp(-self.learning_rate * (fraction - self.target_quantile))
         return tf.cast(updated, getattr(l2_norm_clip, "dtype", tf.float32))
 
-    def next_bound(self, l2_norm_clip, squared_norms, mask, expected_batch_size, key, dp_step) -> tf.Tensor:
+    def next_bound(self, l2_norm_clip, squared_norms, mask, expected_batch_size, key, dp_step,
+                   noise_multiplier=None) -> tf.Tensor:
         """C_{t+1} from this step's flat squared norms (docs/algorithms.md §12).
 
         Args:
@@ -160,6 +161,10 @@ class AdaptiveClip:
           expected_batch_size: L (Poisson: expected batch size; explicit batch: its size).
           key: int64 scalar, the run's Philox noise key.
           dp_step: the ledger's DP step of this step (the gradient noise's counter).
+          noise_multiplier: σ of this step (what the ledger records), if known: where 2σ_b ≤ σ
+            (no σ_Δ exists; the in-graph assertion of ``gradient_noise_multiplier`` is a no-op
+            under XLA) the count is withheld and C_{t+1} = C_t, so nothing is released at the
+            count's multiplier 2σ_b < σ.
 
         Returns:
           C_{t+1} = C_t·exp(−η(b̃_t − γ)).
@@ -167,10 +172,21 @@ class AdaptiveClip:
         count = self.centred_count(l2_norm_clip, squared_norms, mask)
         replica, replicas = _replica()
         if replicas == 1:
-            return self.next_bound_from_count(l2_norm_clip, count, expected_batch_size, key, dp_step)
-        share = self.count_noise(key, dp_step, expected_batch_size, replica, replicas)
-        noisy = summed_over_replicas(count + share)  # the global count + N(0, σ_b²), once
-        return self._bound_from_noisy_count(l2_norm_clip, noisy, expected_batch_size)
+            following = self.next_bound_from_count(l2_norm_clip, count, expected_batch_size, key, dp_step)
+        else:
+            share = self.count_noise(key, dp_step, expected_batch_size, replica, replicas)
+            noisy = summed_over_replicas(count + share)  # the global count + N(0, σ_b²), once
+            following = self._bound_from_noisy_count(l2_norm_clip, noisy, expected_batch_size)
+        if noise_multiplier is None:
+            return following
+        return tf.where(self.count_releasable(noise_multiplier, expected_batch_size), following,
+                        tf.cast(l2_norm_clip, following.dtype))
+
+    def count_releasable(self, noise_multiplier, expected_batch_size=None) -> tf.Tensor:
+        """Whether 2σ_b > σ (or σ = 0): the count may be released beside the gradient (§12)."""
+        sigma = tf.cast(noise_multiplier, tf.float64)
+        count_stddev = tf.cast(self.count_stddev_for(expected_batch_size), tf.float64)
+        return tf.logical_or(sigma <= 0, 2.0 * count_stddev > sigma)
 
     def get_config(self) -> dict:
         return {"initial": self.initial, "target_quantile": self.target_quantile,
