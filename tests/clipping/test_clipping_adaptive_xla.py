@@ -61,3 +61,35 @@ def test_next_bound_withholds_the_count_when_two_count_stddevs_do_not_exceed_sig
     centred = (1 - 0.5) + (0 - 0.5) + (1 - 0.5)  # norms² 0.5, 4.0, 0.1 against C² = 1
     expected = np.exp(-0.2 * ((centred + noise) / 3.0 + 0.5 - 0.5))
     assert float(bound(tf.constant(1.0))) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_sigma_raised_by_a_callback_past_two_count_stddevs_releases_no_more_bounds_under_xla():
+    """σ raised mid-run above 2σ_b (the host check before the first step saw a valid σ): the XLA
+    step skips the in-graph assertion, so it must withhold the count itself: C stays at the
+    value of the last step with 2σ_b > σ."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(240, 6)).astype(np.float32), rng.integers(0, 3, 240).astype(np.int32)
+    inputs = keras.Input((6,))
+    model = tf_dp.DPModel(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer=tf_dp.DPSGD(0.1, l2_norm_clip=AdaptiveClip(1.0, count_stddev=1.0), noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+    bounds = []
+
+    class RaiseSigma(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            bounds.append(model.optimizer.l2_norm_clip)
+            if batch == 2:
+                model.optimizer.noise_multiplier = 3.0  # 2σ_b = 2 < 3
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model.fit(x, y, batch_size=24, steps_per_epoch=5, epochs=1, verbose=0, callbacks=[RaiseSigma()])
+        except (tf.errors.InvalidArgumentError, ValueError) as error:  # refused: fine
+            assert "count_stddev" in str(error)
+            return
+    bounds.append(model.optimizer.l2_norm_clip)
+    assert len(set(bounds[:3])) == 3  # the comparison can fail: C moved while 2σ_b > σ
+    assert bounds[3:] == [bounds[2]] * (len(bounds) - 3), bounds

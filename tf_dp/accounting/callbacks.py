@@ -40,6 +40,7 @@ class PrivacyReport(keras.callbacks.Callback):
                 self.model._open_phase(*self.model._phase_arguments, new_segment=True)
             else:
                 self.model.reopen_phase()
+            _check_adaptive_clip_split(self.model)
 
 
     def on_epoch_end(self, epoch, logs=None):
@@ -52,6 +53,18 @@ class PrivacyReport(keras.callbacks.Callback):
                 logs["filtered_noise_std"] = float(attenuation**0.5 * logs["noise_std"])
             if getattr(optimizer, "adaptive_clip", None) is not None:  # C_t is public (docs/algorithms.md §12)
                 logs["l2_norm_clip"] = optimizer.l2_norm_clip
+
+
+def _check_adaptive_clip_split(model) -> None:
+    """Refuses, before the first step, an adaptive clip bound whose count noise σ_b ≤ σ/2
+    leaves no σ_Δ for the gradient (docs/algorithms.md §12): the step's own check is an
+    in-graph assertion, which XLA (jit_compile=True) compiles to nothing."""
+    optimizer = model.optimizer
+    adaptive, phase = getattr(optimizer, "adaptive_clip", None), model.privacy_ledger.current_phase()
+    if adaptive is None or phase is None or optimizer.noise_multiplier is None:
+        return
+    adaptive.gradient_noise_multiplier(float(optimizer.noise_multiplier),
+                                       expected_batch_size=float(phase.expected_batch_size))
 
 
 def _ledger_state(model) -> tuple:
