@@ -23,6 +23,8 @@ NAMES = ["dpsgd", "dpadam", "dpadamw", "disk", "fiber", "fiber_ema", "dpsgd_ema"
 # filter's 3-entry noise covariance (A_t first) and residuals it never used.
 DROPPED = {"fiber_ema": ("smoothed_residual",)}
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+# Float32 rounding of weights ~0.78 across CPU kernels (a few ulps, 6e-8 each).
+FLOAT_ROUNDING = 1e-6
 
 
 def _role(path: str) -> str:
@@ -77,7 +79,11 @@ def _tiny_model(seed):
     ("dpadam", lambda seed: tf_dp.DPAdam(0.01, l2_norm_clip=0.5, noise_multiplier=1.3, seed=seed)),
 ])
 def test_seeded_steps_are_bit_identical_to_the_mixin_optimizers(name, make):
-    """Two seeded explicit-batch steps reproduce the weights the old code computed exactly."""
+    """Two seeded explicit-batch steps reproduce the weights the old code computed: bit for bit
+    on the machine that recorded them; elsewhere within float32 rounding of the matmuls, whose
+    reduction order differs with the CPU's kernels (measured ≤ 1.5e-8 on an AVX-512 AMD EPYC,
+    below one ulp of these weights, ~0.78). Any change of the noise (a wrong key, counter, σ or
+    C) moves them by ≥ 1e-2 (another seed: 0.015–0.038), 10⁴ times the tolerance."""
     reference = np.load(DATA / "reference_steps.npz")
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 4)).astype("float32"), rng.integers(0, 3, 16).astype("int32")
@@ -86,8 +92,9 @@ def test_seeded_steps_are_bit_identical_to_the_mixin_optimizers(name, make):
     for step in range(2):
         model.train_on_batch(x, y, batch_size=len(y))
         for i, w in enumerate(model.get_weights()):
-            np.testing.assert_array_equal(w, reference[f"{name}/step{step}/{i}"])
+            np.testing.assert_allclose(w, reference[f"{name}/step{step}/{i}"], rtol=0, atol=FLOAT_ROUNDING)
     other = _tiny_model(1)
     other.compile(optimizer=make(2**40 + 6), loss=LOSS)
     other.train_on_batch(x, y, batch_size=len(y))
-    assert not np.array_equal(other.get_weights()[0], reference[f"{name}/step0/0"])  # the seed matters
+    moved = max(np.max(np.abs(w - reference[f"{name}/step0/{i}"])) for i, w in enumerate(other.get_weights()))
+    assert moved > 1e4 * FLOAT_ROUNDING  # the seed matters, far beyond the tolerance

@@ -373,6 +373,16 @@ class BandMF(Privatizer):
         position = tf.minimum(self._buffer.position(), len(self.variance_factors) - 1)
         return tf.cast(tf.gather(factors, position), tf.float32)
 
+    def noise_recursion(self):
+        """(c_0, …, c_{b−1}) of c_0 w̄_t = ζ_t − Σ_j c_j w̄_{t−j}; None for b = 1 (white)."""
+        return None if self.num_bands == 1 else self.coefficients.copy()
+
+    def segment_restarted(self) -> tf.Tensor:
+        """Whether the latest step started from a zero buffer (a segment's first step, §10.6)."""
+        if self.num_bands == 1 or self._buffer is None:
+            return tf.constant(False)
+        return tf.equal(self._buffer.position(), 0)
+
     # -- what fit and the ledger need --
     def sampling_arguments(self) -> dict:
         return {"num_bands": self.num_bands}

@@ -85,6 +85,17 @@ class Privatizer:
         (1 for white Gaussian noise; BandMF: docs/algorithms.md §10.5). Float32 scalar."""
         return tf.constant(1.0, tf.float32)
 
+    def noise_recursion(self):
+        """Correlated noise's recursion c_0 w_t = ζ_t − Σ_{j≥1} c_j w_{t−j} as (c_0, …, c_{b−1}),
+        which lets a filter track the noise it leaves (docs/algorithms.md §10.6); None for white
+        noise (or a correlated privatizer that does not state one)."""
+        return None
+
+    def segment_restarted(self) -> tf.Tensor:
+        """Whether the latest step's noise started a new segment, independent of all earlier
+        noise (bool scalar; always False for white noise, whose steps are all independent)."""
+        return tf.constant(False)
+
     def released_noise_variance(self, variance: tf.Tensor) -> tf.Tensor:
         """The latest step's per-coordinate noise variance, given stddev² as ``variance``:
         ``variance`` · noise_variance_factor(). White noise: ``variance`` itself, no op added

@@ -421,7 +421,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         correction)."""
         variance = self.privatizer.released_noise_variance(tf.square(tf.cast(self._averaged_noise_stddev.value, dtype)))
         for part in self.filters:
-            attenuation = tf.cast(self.part_state(part)["noise_covariance"].value[0], dtype)
+            attenuation = tf.cast(part.attenuation(self.part_state(part)["noise_covariance"].value), dtype)
             variance = part.handed_on_variance(attenuation, variance)
         return variance
 

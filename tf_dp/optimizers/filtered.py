@@ -17,7 +17,7 @@ class FilteredDPOptimizer(FlatConfigDPOptimizer):
                              "θ_t + γ(θ_t − θ_{t−1}); `gradient_accumulation_steps` would average filtered steps "
                              "the noise-bias correction does not model. Use a larger `batch_size` (with "
                              "`physical_batch_size` to bound memory) instead.")
-        _refuse_correlated_noise_with_correction(self, gradient_filter)
+        _follow_correlated_noise_if_corrected(self, gradient_filter)
         self.observation, self.filters = observation, [gradient_filter]
         self.kappa, self.gamma = observation.kappa, observation.gamma
         self.observation_coefficient = observation.coefficient
@@ -30,7 +30,7 @@ class FilteredDPOptimizer(FlatConfigDPOptimizer):
 
     def filter_attenuation(self) -> tf.Tensor:
         """A_t of the latest step (0 before the first)."""
-        return self.part_state(self.gradient_filter)["noise_covariance"].value[0]
+        return self.gradient_filter.attenuation(self.part_state(self.gradient_filter)["noise_covariance"].value)
 
     @property
     def _filtered_gradients(self) -> list:
@@ -46,15 +46,17 @@ class FilteredDPOptimizer(FlatConfigDPOptimizer):
         return {"kappa": self.kappa, "gamma": self.gamma, "correction": self.correction}
 
 
-def _refuse_correlated_noise_with_correction(optimizer, gradient_filter: GradientFilter) -> None:
+def _follow_correlated_noise_if_corrected(optimizer, gradient_filter: GradientFilter) -> None:
     """The filter's noise factor A_t (docs/algorithms.md §3.2, §4.2) is derived for noise
-    independent across steps; with correlated noise (BandMF, b > 1) the variance left in g̃_t
-    is not A_t·σ_w² and the bias correction would subtract a wrong amount (§10.5)."""
+    independent across steps. With correlated noise (BandMF, b > 1) and a noise-bias correction
+    that uses it, the filter tracks the joint covariance of its state and the noise recursion
+    instead (§10.6); a correlated privatizer that does not state its recursion is refused."""
     if optimizer.privatizer.white_noise or not getattr(optimizer.inner_optimizer, "uses_noise_variance", False):
         return
-    raise ValueError(
-        f"{type(optimizer).__name__}: noise={optimizer.privatizer!r} releases noise correlated across steps, but "
-        f"the noise-bias correction (correction={gradient_filter.correction!r}) subtracts the variance a "
-        f"{type(gradient_filter).__name__} leaves of WHITE noise (A_t·σ_w², docs/algorithms.md §10.5). Pass "
-        "noise_bias_correction=False to filter BandMF noise without the correction, or noise=None (white "
-        "Gaussian noise) to keep it.")
+    if getattr(optimizer.privatizer, "noise_recursion", lambda: None)() is None:
+        raise ValueError(
+            f"{type(optimizer).__name__}: noise={optimizer.privatizer!r} releases noise correlated across steps "
+            "without stating its recursion (`noise_recursion()`), so the variance a "
+            f"{type(gradient_filter).__name__} leaves of it is unknown and the noise-bias correction cannot be "
+            "computed (docs/algorithms.md §10.6). Pass noise_bias_correction=False, or noise=None.")
+    gradient_filter.follow_correlated_noise(optimizer.privatizer)

@@ -29,6 +29,12 @@ from tf_dp.filters import (
     innovation_filter,
     innovation_noise_covariance_step,
 )
+from tf_dp.filters.correlated import (
+    attenuation_of_marginal,
+    joint_covariance_step,
+    joint_system,
+    stationary_attenuation_of_marginal,
+)
 
 # What a filter hands on as the noise variance of its output (study ablations,
 # docs/fiber_study.md): the exact A_t·σ_w² of the filter started at zero (default), its
@@ -84,7 +90,11 @@ class GradientFilter:
 
     Subclasses define ``state_names`` (one variable per trainable variable each),
     ``noise_state_size`` (the noise covariance the filter tracks, A_t = its entry 0),
-    ``filter(gradient, per-variable state)`` and ``advance_noise(covariance)``.
+    ``filter(gradient, per-variable state)``, ``advance_noise(covariance)`` (white noise) and
+    ``state_space()`` (F, b of x_t = F x_{t−1} + b ĝ_t). Fed correlated noise (BandMF, after
+    ``follow_correlated_noise``) the filter tracks instead the joint covariance of its state
+    and the noise recursion's (docs/algorithms.md §10.6) and A_t is the share of the MARGINAL
+    variance of its input that it passes.
 
     Args:
       correction: the noise variance handed on: "transient" A_t·σ_w² (exact for the filter
@@ -98,10 +108,35 @@ class GradientFilter:
 
     def __init__(self, correction: str = "transient"):
         self.correction = _checks.one_of("correction", correction, CORRECTIONS)
+        self._correlated = None  # (privatizer, M, u, A'_∞) once following correlated noise
 
     @property
     def stationary_attenuation(self) -> float:
-        """A: the fraction of white-noise variance the stationary filter passes."""
+        """A: the fraction of its input's noise variance the stationary filter passes."""
+        if self._correlated is not None:
+            return self._correlated[3]
+        return self._white_stationary_attenuation
+
+    @property
+    def _white_stationary_attenuation(self) -> float:
+        raise NotImplementedError
+
+    def follow_correlated_noise(self, privatizer) -> None:
+        """Track the noise of ``privatizer`` (BandMF, b > 1) jointly with the filter's state:
+        A_t becomes P_t[0, 0]/F_n of docs/algorithms.md §10.6. Call before ``init``.
+
+        Args:
+          privatizer: exposes ``noise_recursion()`` (c_0, …, c_{b−1}) and ``segment_restarted()``.
+        """
+        transition, drive = joint_system(*self.state_space(), privatizer.noise_recursion())
+        size = len(self.state_space()[1])
+        stationary = stationary_attenuation_of_marginal(transition, drive, size) \
+            if self.correction == "stationary" else float("nan")
+        self._correlated = (privatizer, transition, drive, stationary)
+        self.noise_state_size = transition.shape[0] ** 2
+
+    def state_space(self) -> tuple:
+        """(F [d, d], b [d]) of the filter's linear recursion x_t = F x_{t−1} + b ĝ_t."""
         raise NotImplementedError
 
     def init(self, optimizer, variables) -> dict:
@@ -126,9 +161,22 @@ class GradientFilter:
             for name, value in zip(self.state_names, outputs):
                 new_state[name].append(value)
             filtered.append(outputs[0])
-        covariance = self.advance_noise(state["noise_covariance"])
+        covariance = self._advanced_noise_covariance(state["noise_covariance"])
         new_state["noise_covariance"] = covariance
-        return filtered, self.handed_on_variance(covariance[0], noise_variance), new_state
+        return filtered, self.handed_on_variance(self.attenuation(covariance), noise_variance), new_state
+
+    def _advanced_noise_covariance(self, covariance):
+        if self._correlated is None:
+            return self.advance_noise(covariance)
+        privatizer, transition, drive, _ = self._correlated
+        return joint_covariance_step(covariance, transition, drive, len(self.state_space()[1]),
+                                     privatizer.segment_restarted())
+
+    def attenuation(self, covariance) -> tf.Tensor:
+        """A_t from the tracked covariance: its entry 0 (white noise), or P_t[0, 0]/F_n (§10.6)."""
+        if self._correlated is None:
+            return covariance[0]
+        return attenuation_of_marginal(covariance, len(self.state_space()[1]))
 
     def handed_on_variance(self, attenuation: tf.Tensor, noise_variance: tf.Tensor) -> tf.Tensor:
         """A_t·σ_w² ("transient"), A·σ_w² ("stationary") or σ_w² ("full")."""
@@ -161,8 +209,11 @@ class EMAFilter(GradientFilter):
         self.gain = float(gain)
 
     @property
-    def stationary_attenuation(self) -> float:
+    def _white_stationary_attenuation(self) -> float:
         return self._stationary
+
+    def state_space(self) -> tuple:
+        return [[1.0 - self.gain]], [self.gain]
 
     def filter(self, gradient, filtered):
         return (ema_filter(filtered, gradient, self.gain),)
@@ -190,8 +241,13 @@ class InnovationFilter(GradientFilter):
         self.gain = float(gain)
 
     @property
-    def stationary_attenuation(self) -> float:
+    def _white_stationary_attenuation(self) -> float:
         return self._stationary
+
+    def state_space(self) -> tuple:
+        """x = (g̃, r): g̃_t = (1 − ω)(g̃ + r) + ω ĝ_t, r_t = −ω g̃ + (1 − ω) r + ω ĝ_t."""
+        keep = 1.0 - self.gain
+        return [[keep, keep], [-self.gain, keep]], [self.gain, self.gain]
 
     def filter(self, gradient, filtered, residual):
         return innovation_filter(filtered, residual, gradient, self.gain)
