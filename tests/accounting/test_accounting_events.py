@@ -270,7 +270,9 @@ def test_a_ledger_saved_before_the_registry_loads_with_the_same_epsilon(name, tm
     model = keras.models.load_model(LEGACY / f"{name}.keras", compile=False)
     assert int(model.privacy_ledger.steps.numpy()) == expected["steps"]
     for accountant, value in expected["epsilon"].items():
-        assert model.privacy_ledger.epsilon(delta, accountant) == pytest.approx(value, rel=1e-12)
+        # rel 1e-9: the PLD accountant's FFTs round differently across CPUs (5.6e-12 measured on
+        # an AVX-512 AMD EPYC); any changed event (σ, q, steps) moves ε by orders of magnitude more.
+        assert model.privacy_ledger.epsilon(delta, accountant) == pytest.approx(value, rel=1e-9)
     if name == "plain":
         rows = expected["phase_table_rows"]
         ends = [r[5] for r in rows[1:]] + [expected["steps"]]

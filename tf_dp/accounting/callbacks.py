@@ -7,7 +7,6 @@ import warnings
 import keras
 import numpy as np
 
-from tf_dp.accounting import events
 from tf_dp.accounting.accountant import largest_fitting
 
 _UNBOUNDED = 10**8  # more steps than any run takes: the budget does not bind
@@ -33,13 +32,7 @@ class PrivacyReport(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self._first_batch:  # after every on_train_begin (a restored ledger)
             self._first_batch = False
-            if _ledger_state(self.model) != self._ledger_at_begin and _restarts_segments(self.model):
-                # BackupAndRestore replaced the ledger: this fit's sampler (new secret groups) and
-                # fresh noise buffer are a NEW segment, not the restored one's continuation
-                # (docs/algorithms.md §10.3): ⌈T₁/b⌉ + ⌈T₂/b⌉ rounds, not ⌈(T₁ + T₂)/b⌉.
-                self.model._open_phase(*self.model._phase_arguments, new_segment=True)
-            else:
-                self.model.reopen_phase()
+            self.model.reopen_phase(ledger_replaced=_ledger_state(self.model) != self._ledger_at_begin)
             _check_adaptive_clip_split(self.model)
 
 
@@ -70,13 +63,6 @@ def _check_adaptive_clip_split(model) -> None:
 def _ledger_state(model) -> tuple:
     ledger = model.privacy_ledger
     return id(ledger), ledger.phase_table.numpy().tobytes(), int(ledger.steps.numpy())
-
-
-def _restarts_segments(model) -> bool:
-    """Whether this fit's phase is of a scheme whose every fit is a new segment (BandMF's
-    "cyclic_poisson", docs/algorithms.md §10.3)."""
-    arguments = getattr(model, "_phase_arguments", None)
-    return bool(arguments) and arguments[0] in events._WHOLE_SEGMENTS
 
 
 class PrivacyBudget(keras.callbacks.Callback):

@@ -49,6 +49,12 @@ _WHOLE_SEGMENTS: set[str] = set()
 _ACCOUNTANTS: dict[str, Callable[[dp_event.DpEvent, float], float]] = {}
 
 
+def is_segmented(scheme: str) -> bool:
+    """Whether every fit of ``scheme`` is a segment of its own, accounted whole (registered
+    with ``whole_segments=True``: BandMF's "cyclic_poisson", docs/algorithms.md §10.3)."""
+    return scheme in _WHOLE_SEGMENTS
+
+
 @dataclass(frozen=True)
 class Phase:
     """A stretch of steps with one sampling scheme and one set of settings.

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp import _checks
-from tf_dp.accounting import calibrate_noise_multiplier
+from tf_dp.accounting import calibrate_noise_multiplier, events
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
 from tf_dp.clipping.engine import ONE_VIEW, AugmentationViews
 from tf_dp.sampling.tfds_sources import source_for_fit as tfds_source_for_fit
@@ -357,11 +357,22 @@ class DPFitting:
         if new_segment and privatizer is not None:
             privatizer.reset(int(self.privacy_ledger.steps.numpy()))  # a new sampler: a fresh noise state
 
-    def reopen_phase(self):
-        """Re-records the running phase (after a callback such as BackupAndRestore has
-        replaced the ledger with a checkpoint's): its steps are then composed correctly."""
-        if getattr(self, "_phase_arguments", None):
-            self._open_phase(*self._phase_arguments)
+    def reopen_phase(self, ledger_replaced: bool = False):
+        """Re-records the running phase before the first step (after a callback such as
+        BackupAndRestore may have replaced the ledger with a checkpoint's): its steps are then
+        composed correctly.
+
+        Args:
+          ledger_replaced: the ledger changed since ``on_train_begin``. For a scheme whose
+            every fit is a segment of its own (BandMF's "cyclic_poisson": new secret groups, a
+            fresh noise buffer; docs/algorithms.md §10.3) the restored run continues as a NEW
+            segment, ⌈T₁/b⌉ + ⌈T₂/b⌉ rounds, not the restored one's ⌈(T₁ + T₂)/b⌉.
+        """
+        arguments = getattr(self, "_phase_arguments", None)
+        if not arguments:
+            return
+        new_segment = ledger_replaced and events.is_segmented(arguments[0])
+        self._open_phase(*arguments, new_segment=new_segment)
 
     def _privacy_callbacks(self, scheme, planned_steps):
         """PrivacyReport, and with ``compile(target_epsilon=...)`` the calibrated σ and a

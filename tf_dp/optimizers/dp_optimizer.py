@@ -357,7 +357,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         noise_stddev = stddev_on_sum / tf.cast(expected_batch_size, tf.float32)
         self._averaged_noise_stddev.assign(noise_stddev)
         gradients = transforms.add_public_gradients(gradients, public_gradients)
-        self._advance_clip_bound(bound, squared_norms, mask, expected_batch_size, key, dp_step, release)
+        self._advance_clip_bound(bound, squared_norms, mask, expected_batch_size, key, dp_step, release, sigma)
         # σ_w²·F_n: the marginal variance of correlated (BandMF) noise, docs/algorithms.md §10.5
         noise_variance = self.privatizer.released_noise_variance(tf.square(noise_stddev))
         return self._filter_and_update(gradients, variables, noise_variance, replicas)
@@ -369,14 +369,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
             return sigma
         return self.adaptive_clip.gradient_noise_multiplier(sigma, expected_batch_size=expected_batch_size)
 
-    def _advance_clip_bound(self, bound, squared_norms, mask, expected_batch_size, key, dp_step, release):
+    def _advance_clip_bound(self, bound, squared_norms, mask, expected_batch_size, key, dp_step, release,
+                            sigma=None):
         """C_{t+1} = adaptive.next_bound(C_t, ...) for an adaptive bound (kept on a refused step)."""
         if self.adaptive_clip is None:
             return
         if squared_norms is None or mask is None:
             raise ValueError(f"{self.name}: an adaptive l2_norm_clip needs the batch's `squared_norms` and `mask` "
                              "in apply_private_gradients (tf_dp.DPModel passes them).")
-        following = self.adaptive_clip.next_bound(bound, squared_norms, mask, expected_batch_size, key, dp_step)
+        following = self.adaptive_clip.next_bound(bound, squared_norms, mask, expected_batch_size, key, dp_step,
+                                                  noise_multiplier=sigma)
         if release is not None:
             following = tf.where(tf.cast(release, tf.float32) > 0, tf.cast(following, tf.float32), bound)
         self._l2_norm_clip.assign(following)
