@@ -1,7 +1,8 @@
-"""Recurrent layers (LSTM, GRU, SimpleRNN, Bidirectional, masking, encoder-decoder with
-initial_state): per-example norms and clipped sums of both engines, with and without XLA,
-against a per-example GradientTape loop; the per-example replay of a layer without a rule
-compiles under XLA; a warning names the layers on the slow per-example path."""
+"""The recurrent rule (tf_dp/clipping/recurrent.py): LSTM, GRU, SimpleRNN, Bidirectional,
+masking, encoder-decoder with initial_state: per-example norms and clipped sums of both
+engines, with and without XLA, rolled or unrolled, inside a compiled train step, against a
+per-example GradientTape loop; the per-example replay of a layer without a rule compiles
+under XLA; a warning names the layers on the slow per-example path."""
 
 import warnings
 
@@ -11,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
+from tests.clipping.rules.models import assert_ghost_matches_loop
 from tests.harness import flat_norms, loop_per_example_gradients, sparse_ce
 from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.clipping.recurrent import RecurrentRule
@@ -237,3 +239,45 @@ def test_replay_of_a_rule_recording_includes_the_recurrent_kernel():
     for v, total in enumerate(sums):
         want = sum(g[v].astype(np.float64) for g in per_example)
         np.testing.assert_allclose(total.numpy(), want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+
+
+REAL_ARCHITECTURES = {
+    "lstm_unrolled": lambda: keras.layers.LSTM(3, unroll=True),
+    "lstm": lambda: keras.layers.LSTM(3),
+    "gru": lambda: keras.layers.GRU(3, return_sequences=True),
+    "simple_rnn": lambda: keras.layers.SimpleRNN(3),
+    "bidirectional": lambda: keras.layers.Bidirectional(keras.layers.LSTM(2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_ARCHITECTURES))
+def test_recurrent_layers_match_loop(name):
+    inputs = keras.Input((4, 2))
+    hidden = keras.layers.Flatten()(REAL_ARCHITECTURES[name]()(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    assert_ghost_matches_loop(model, np.random.randn(4, 4, 2).astype("float32"))
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+@pytest.mark.parametrize("recurrent", ["lstm", "gru", "bidirectional"])
+def test_recurrent_layers_clip_exactly_in_graph_mode(recurrent, unroll):
+    # Inside a compiled train step the cell runs in the layer's while loop, so the whole RNN
+    # layer is the tapped unit (its cell's recorded inputs are out of reach).
+    layer = {"lstm": lambda: keras.layers.LSTM(8, unroll=unroll), "gru": lambda: keras.layers.GRU(8, unroll=unroll),
+             "bidirectional": lambda: keras.layers.Bidirectional(keras.layers.SimpleRNN(8, unroll=unroll))}[recurrent]
+    model = tf_dp.DPSequential([keras.Input((10, 4)), layer(), keras.layers.Dense(3)])
+    x = np.random.rand(6, 10, 4).astype("float32")
+    y = np.arange(6) % 3
+    per_example = loop_per_example_gradients(model, x, y)
+
+    @tf.function
+    def clip():
+        result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(6), 1e9)
+        return result.squared_norms, result.clipped_sums
+
+    squared_norms, sums = clip()
+    np.testing.assert_allclose(np.sqrt(squared_norms.numpy()), flat_norms(per_example), rtol=1e-4)
+    for v, total in enumerate(sums):
+        np.testing.assert_allclose(total.numpy(), sum(g[v] for g in per_example), rtol=1e-4, atol=1e-6)
+    model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=sparse_ce)
+    model.train_on_batch(x, y, batch_size=6)
