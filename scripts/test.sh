@@ -23,8 +23,11 @@ echo "test.sh: the suite ${tier[*]:+(fast tier) }on $processes processes"
 python -m pytest tests -n "$processes" --dist loadfile --durations=15 "${tier[@]}" "$@"
 # test_kernel_routes.py's route checks already run each oneDNN setting in a subprocess of its own
 # (TF_ENABLE_ONEDNN_OPTS set there): only its in-process kernel probe depends on this switch.
-clipping_tests=(tests/clipping/test_clipping.py tests/clipping/test_clipping_float_safety.py
-                tests/clipping/test_recurrent_in_graph.py
+# The engine and the rule files (tests/clipping/rules/, one per rule); of test_recurrent.py only the
+# recurrent layers inside a compiled train step (its XLA cases take minutes).
+clipping_tests=(tests/clipping/test_engine.py tests/clipping/test_clipping_float_safety.py
+                $(ls tests/clipping/rules/test_*.py | grep -v '/test_recurrent\.py$')
+                tests/clipping/rules/test_recurrent.py::test_recurrent_layers_clip_exactly_in_graph_mode
                 tests/clipping/test_kernel_routes.py::test_grouped_kernel_probe_is_cached_and_agrees_with_the_kernel)
 for extra in tests/clipping/test_batch_free_inputs.py; do [ -f "$extra" ] && clipping_tests+=("$extra"); done
 onednn_now=$(python -c "from tensorflow.python.util import _pywrap_util_port as p; print(int(p.IsMklEnabled()))" 2>/dev/null | tail -n 1)

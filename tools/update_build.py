@@ -69,7 +69,13 @@ def render() -> str:
     # tests/conftest.py (pytest hooks, the autouse seed) applies to every test; tests/harness.py
     # (the per-example-loop reference and shared helpers) is a dependency of the tests importing it.
     blocks.extend(_library(ROOT / "tests" / name) for name in ("conftest.py", "harness.py"))
-    for test in sorted((ROOT / "tests").rglob("test_*.py")):
+    tests = sorted((ROOT / "tests").rglob("test_*.py"))
+    # Other helper modules the tests import (e.g. tests/clipping/rules/models.py, the rule tests' models).
+    shared = {ROOT / "tests" / name for name in ("conftest.py", "harness.py")}
+    helpers = {p for test in tests for p in _imports(test)
+               if p.is_relative_to(ROOT / "tests") and not p.name.startswith("test_") and p not in shared}
+    blocks.extend(_library(helper) for helper in sorted(helpers))
+    for test in tests:
         deps = _deps(test, extra=[":tests_conftest"])
         blocks.append(
             f'py_test(\n    name = "{_target(test)}",\n    size = "medium",\n    srcs = ["{test.relative_to(ROOT)}"],\n'

@@ -1,34 +1,20 @@
 """Real architectures built from plain Keras layers: the ghost engine's norms and clipped
 sums equal a per-example loop's (subclasses with their own call, batch-free
-layers, layers with None outputs, recurrent layers, ops vectorized_map cannot convert)."""
+layers, layers with None outputs, a weight shared by hand, ops vectorized_map cannot convert).
+Each rule's own tests (recurrent layers, EinsumDense, normalization, DepthwiseConv2D,
+ReversibleEmbedding) are in tests/clipping/rules/test_<rule>.py."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.clipping.rules.models import assert_ghost_matches_loop, token_loss
 from tests.harness import flat_norms, loop_per_example_gradients, sparse_ce
 from tf_dp.clipping import clipped_gradient_sum, ghost_rule_for
 
 BATCH = 4
 CLASSES = 3
-
-
-def assert_ghost_matches_loop(model, x, y=None, loss=sparse_ce):
-    """Norms (rel. 1e-4, never below the truth) and the clipped sum at C = median norm."""
-    y = np.random.randint(0, CLASSES, BATCH).astype("int32") if y is None else y
-    per_example = loop_per_example_gradients(model, x, y, loss)
-    norms = flat_norms(per_example)
-    clip = float(np.median(norms))
-    result = clipped_gradient_sum(model, loss, tf.nest.map_structure(tf.constant, x), tf.constant(y),
-                                  tf.ones(BATCH), clip)
-    got = np.sqrt(result.squared_norms.numpy().astype(np.float64))
-    np.testing.assert_allclose(got, norms, rtol=1e-4)
-    assert np.all(got >= norms * (1 - 1e-6))
-    factors = np.minimum(1.0, clip / got)
-    for v, total in enumerate(result.clipped_sums):
-        want = sum(factors[i] * per_example[i][v] for i in range(BATCH))
-        np.testing.assert_allclose(total.numpy(), want, rtol=1e-4, atol=1e-6)
 
 
 class ShiftedDense(keras.layers.Dense):
@@ -126,62 +112,6 @@ def test_layer_with_none_output_matches_loop():
     assert_ghost_matches_loop(model, np.random.randn(BATCH, 3, 4).astype("float32"))
 
 
-RECURRENT = {
-    "lstm_unrolled": lambda: keras.layers.LSTM(3, unroll=True),
-    "lstm": lambda: keras.layers.LSTM(3),
-    "gru": lambda: keras.layers.GRU(3, return_sequences=True),
-    "simple_rnn": lambda: keras.layers.SimpleRNN(3),
-    "bidirectional": lambda: keras.layers.Bidirectional(keras.layers.LSTM(2)),
-}
-
-
-@pytest.mark.parametrize("name", sorted(RECURRENT))
-def test_recurrent_layers_match_loop(name):
-    inputs = keras.Input((4, 2))
-    hidden = keras.layers.Flatten()(RECURRENT[name]()(inputs))
-    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
-    assert_ghost_matches_loop(model, np.random.randn(BATCH, 4, 2).astype("float32"))
-
-
-def test_einsum_dense_bias_on_a_non_output_axis_matches_loop():
-    inputs = keras.Input((3, 4))
-    hidden = keras.layers.EinsumDense("abc,cd->abd", output_shape=(3, 5), bias_axes="b")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(keras.layers.Flatten()(hidden)))
-    assert_ghost_matches_loop(model, np.random.randn(BATCH, 3, 4).astype("float32"))
-
-
-class TiedLanguageModel(keras.layers.Layer):
-    """Token lookup and output projection through one keras.layers.ReversibleEmbedding."""
-
-    def __init__(self, tie_weights=True, logit_soft_cap=None):
-        super().__init__()
-        self.embedding = keras.layers.ReversibleEmbedding(11, 4, tie_weights=tie_weights,
-                                                          logit_soft_cap=logit_soft_cap)
-        self.hidden = keras.layers.Dense(4, activation="tanh")
-
-    def call(self, ids):
-        return self.embedding(self.hidden(self.embedding(ids)), reverse=True)
-
-
-def token_loss(y, logits):
-    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True), axis=-1)
-
-
-@pytest.mark.parametrize("tie_weights, soft_cap, form", [(True, None, "explicit"), (True, None, "gram"),
-                                                         (True, 2.0, "explicit"), (False, None, "explicit")])
-def test_reversible_embedding_matches_loop(tie_weights, soft_cap, form, monkeypatch):
-    from tf_dp.clipping import dense
-    if form == "gram":  # the float64 Gram form, used where [P, V, d] per-example tables do not fit
-        monkeypatch.setattr(dense, "EXPLICIT_FLOATS", 0)
-    lm = TiedLanguageModel(tie_weights, soft_cap)
-    inputs = keras.Input((5,), dtype="int32")
-    model = keras.Model(inputs, lm(inputs))
-    assert ghost_rule_for(lm.embedding) is not None  # lookup × projection cross terms in the rule
-    ids = np.random.randint(0, 11, (BATCH, 5)).astype("int32")
-    ids[0, :3] = 2
-    assert_ghost_matches_loop(model, ids, np.roll(ids, -1, axis=1), token_loss)
-
-
 class HandTiedProjection(keras.layers.Layer):
     """logits = h Eᵀ, reading another layer's embedding table by hand."""
 
@@ -204,42 +134,6 @@ def test_weight_shared_by_hand_matches_loop():
     ids = np.random.randint(0, 11, (BATCH, 5)).astype("int32")
     ids[0, :3] = 2
     assert_ghost_matches_loop(model, ids, np.roll(ids, -1, axis=1), token_loss)
-
-
-def uses_rule(model, layer_type):
-    layers = [layer for layer in model._flatten_layers() if isinstance(layer, layer_type)]
-    return layers and all(ghost_rule_for(layer) is not None for layer in layers)
-
-
-def test_general_einsum_dense_equations_match_loop():
-    inputs = keras.Input((3, 4))
-    query = keras.layers.EinsumDense("btd,ndh->btnh", output_shape=(3, 2, 5), bias_axes="nh")(inputs)
-    back = keras.layers.EinsumDense("btnh,nhd->btd", output_shape=(3, 4), bias_axes="d")(keras.ops.tanh(query))
-    spread = keras.layers.EinsumDense("...d,ndh->...nh", output_shape=(2, 3))(back)
-    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(keras.layers.Flatten()(spread)))
-    assert uses_rule(model, keras.layers.EinsumDense)
-    assert_ghost_matches_loop(model, np.random.randn(BATCH, 3, 4).astype("float32"))
-
-
-def test_rms_and_group_normalization_rules_match_loop():
-    inputs = keras.Input((4, 4, 6))
-    hidden = keras.layers.Conv2D(6, 3, padding="same")(inputs)
-    hidden = keras.layers.GroupNormalization(groups=3)(hidden)
-    hidden = keras.layers.RMSNormalization()(keras.layers.Dense(5)(hidden))
-    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(keras.layers.Flatten()(hidden)))
-    assert uses_rule(model, keras.layers.GroupNormalization) and uses_rule(model, keras.layers.RMSNormalization)
-    model.layers[2].gamma.assign(np.random.randn(6).astype("float32"))  # non-trivial γ
-    assert_ghost_matches_loop(model, np.random.randn(BATCH, 4, 4, 6).astype("float32"))
-
-
-@pytest.mark.parametrize("strides, padding, dilation", [(1, "same", 1), (2, "valid", 1), (1, "valid", 2)])
-def test_depthwise_conv2d_rule_matches_loop(strides, padding, dilation):
-    inputs = keras.Input((7, 7, 3))
-    hidden = keras.layers.DepthwiseConv2D(3, strides=strides, padding=padding, depth_multiplier=2,
-                                          dilation_rate=dilation, activation="tanh")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(keras.layers.Flatten()(hidden)))
-    assert uses_rule(model, keras.layers.DepthwiseConv2D) == (dilation == 1)  # dilated: per-example replay
-    assert_ghost_matches_loop(model, np.random.randn(BATCH, 7, 7, 3).astype("float32"))
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vectorized"])
@@ -266,36 +160,6 @@ def test_per_example_gradient_norms_per_layer_and_total(engine):
         want = [np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for v, g in zip(model.trainable_variables, grads)
                             if owners[id(v)] == name)) for grads in per_example]
         np.testing.assert_allclose(norms.numpy(), want, rtol=1e-4)
-
-
-@pytest.mark.parametrize("form", ["explicit", "gram"])
-def test_tied_embedding_norm_is_safe_under_cancellation(form):
-    # Lookup and projection gradients of one row cancel: G = M·u − (M·u + δ) = −δ with
-    # M = 1e4. A float32 Gram form loses δ entirely; the rule's float64 Gram form and its
-    # float32 explicit form, each with its certified bound, must stay ≥ ‖δ‖ and release at
-    # most C per example.
-    from tf_dp.clipping import reversible_embedding
-    contribution_class = {"explicit": reversible_embedding.ExplicitTiedEmbeddingContribution,
-                          "gram": reversible_embedding.TiedEmbeddingContribution}[form]
-    rng = np.random.default_rng(0)
-    width, vocabulary, big = 8, 5, 1e4
-    u = rng.standard_normal((BATCH, 1, width)).astype("float32")
-    delta = (1e-3 * rng.standard_normal((BATCH, 1, width))).astype("float32")
-    s = big * u
-    h = s + delta
-    e = np.zeros((BATCH, 1, vocabulary), "float32")
-    e[:, 0, 0] = -1.0
-    ids = np.zeros((BATCH, 1), "int64")
-    contribution = contribution_class(tf.constant(ids), tf.constant(s), tf.constant(h), tf.constant(e), vocabulary)
-    exact = np.linalg.norm(s.astype(np.float64) - h.astype(np.float64), axis=(1, 2))  # row 0: s − h = −δ
-    bound = np.sqrt(contribution.squared_norms().numpy())
-    assert np.all(bound >= exact)
-    clip = 1e-4
-    for i in range(BATCH):
-        factors = np.zeros(BATCH)
-        factors[i] = clip / max(bound[i], clip)
-        released = contribution.weighted_sums(tf.constant(factors))[0].numpy()
-        assert np.linalg.norm(released) <= clip * (1 + 1e-6)
 
 
 class BatchedMatmul(keras.layers.Layer):
@@ -370,21 +234,3 @@ def test_crash_prone_batch_matmul_is_found_in_a_traced_graph():
         assert not kernels.crash_prone_batch_matmuls(ops_of([6, 2, 8, 16], [6, 2, 16, 16]))
     with mock.patch.object(kernels, "onednn_enabled", return_value=False):
         assert not kernels.crash_prone_batch_matmuls(ops_of([6, 1, 8, 16], [16, 16]))
-
-
-def test_a_reversible_embedding_used_only_for_lookups_is_an_embedding(monkeypatch):
-    """BERT's token table is a ReversibleEmbedding never called with reverse=True: its
-    gradient is a plain lookup gradient, taken by the Embedding form (no [P, V, d] tables)."""
-    from tf_dp.clipping import reversible_embedding
-
-    explicit = []
-    monkeypatch.setattr(reversible_embedding.ExplicitTiedEmbeddingContribution, "__init__",
-                        lambda self, *a: explicit.append(1) or pytest.fail("tied tables for lookups only"))
-    inputs = keras.Input((6,), dtype="int32")
-    table = keras.layers.ReversibleEmbedding(11, 4, tie_weights=True)
-    pooled = keras.layers.GlobalAveragePooling1D()(table(inputs))
-    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(pooled))
-    ids = np.random.randint(0, 11, (BATCH, 6)).astype("int32")
-    ids[0, :3] = 2  # a repeated id within one example
-    assert_ghost_matches_loop(model, ids)
-    assert not explicit

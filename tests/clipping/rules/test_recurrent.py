@@ -1,7 +1,8 @@
-"""Recurrent layers (LSTM, GRU, SimpleRNN, Bidirectional, masking, encoder-decoder with
-initial_state): per-example norms and clipped sums of both engines, with and without XLA,
-against a per-example GradientTape loop; the per-example replay of a layer without a rule
-compiles under XLA; a warning names the layers on the slow per-example path."""
+"""The recurrent rule (tf_dp/clipping/recurrent.py): LSTM, GRU, SimpleRNN, Bidirectional,
+masking, encoder-decoder with initial_state: per-example norms and clipped sums of both
+engines, with and without XLA, rolled or unrolled, inside a compiled train step, against a
+per-example GradientTape loop; the per-example replay of a layer without a rule compiles
+under XLA; a warning names the layers on the slow per-example path."""
 
 import warnings
 
@@ -11,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
+from tests.clipping.rules.models import assert_ghost_matches_loop
 from tests.harness import flat_norms, loop_per_example_gradients, sparse_ce
 from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.clipping.recurrent import RecurrentRule
@@ -75,14 +77,20 @@ def _recurrent_layers(model):
     return [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.RNN)]
 
 
-def _clip(model, loss, x, y, clip, engine, jit, mask=None):
-    mask = tf.ones(BATCH) if mask is None else mask
+def _step(model, loss, clip, engine, jit):
+    """The clipping step as one tf.function: called again with another mask, it is not traced again."""
 
     @tf.function(jit_compile=jit)
     def step(x, y, mask):
         result = clipped_gradient_sum(model, loss, x, y, mask, clip, engine=engine)
         return result.squared_norms, result.clipped_sums
 
+    return step
+
+
+def _clip(model, loss, x, y, clip, engine, jit, mask=None, step=None):
+    mask = tf.ones(BATCH) if mask is None else mask
+    step = _step(model, loss, clip, engine, jit) if step is None else step
     return step(tf.nest.map_structure(tf.constant, x), tf.constant(y), mask)
 
 
@@ -139,8 +147,10 @@ def test_one_example_weighted_100_moves_the_clipped_sum_by_at_most_c(name):
     def weighted_loss(y_true, y_pred):
         return loss(y_true, y_pred) * weights
 
-    _, with_it = _clip(model, weighted_loss, x, y, clip, "ghost", False)
-    _, without_it = _clip(model, weighted_loss, x, y, clip, "ghost", False, mask=tf.constant([0.0] + [1.0] * 5))
+    step = _step(model, weighted_loss, clip, "ghost", False)  # one trace for both masks
+    _, with_it = _clip(model, weighted_loss, x, y, clip, "ghost", False, step=step)
+    _, without_it = _clip(model, weighted_loss, x, y, clip, "ghost", False, mask=tf.constant([0.0] + [1.0] * 5),
+                          step=step)
     moved = np.sqrt(sum(np.sum((a.numpy().astype(np.float64) - b.numpy()) ** 2) for a, b in zip(with_it, without_it)))
     assert 0.5 * clip < moved <= clip * (1 + 1e-5)
 
@@ -237,3 +247,45 @@ def test_replay_of_a_rule_recording_includes_the_recurrent_kernel():
     for v, total in enumerate(sums):
         want = sum(g[v].astype(np.float64) for g in per_example)
         np.testing.assert_allclose(total.numpy(), want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+
+
+REAL_ARCHITECTURES = {
+    "lstm_unrolled": lambda: keras.layers.LSTM(3, unroll=True),
+    "lstm": lambda: keras.layers.LSTM(3),
+    "gru": lambda: keras.layers.GRU(3, return_sequences=True),
+    "simple_rnn": lambda: keras.layers.SimpleRNN(3),
+    "bidirectional": lambda: keras.layers.Bidirectional(keras.layers.LSTM(2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_ARCHITECTURES))
+def test_recurrent_layers_match_loop(name):
+    inputs = keras.Input((4, 2))
+    hidden = keras.layers.Flatten()(REAL_ARCHITECTURES[name]()(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    assert_ghost_matches_loop(model, np.random.randn(4, 4, 2).astype("float32"))
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+@pytest.mark.parametrize("recurrent", ["lstm", "gru", "bidirectional"])
+def test_recurrent_layers_clip_exactly_in_graph_mode(recurrent, unroll):
+    # Inside a compiled train step the cell runs in the layer's while loop, so the whole RNN
+    # layer is the tapped unit (its cell's recorded inputs are out of reach).
+    layer = {"lstm": lambda: keras.layers.LSTM(8, unroll=unroll), "gru": lambda: keras.layers.GRU(8, unroll=unroll),
+             "bidirectional": lambda: keras.layers.Bidirectional(keras.layers.SimpleRNN(8, unroll=unroll))}[recurrent]
+    model = tf_dp.DPSequential([keras.Input((10, 4)), layer(), keras.layers.Dense(3)])
+    x = np.random.rand(6, 10, 4).astype("float32")
+    y = np.arange(6) % 3
+    per_example = loop_per_example_gradients(model, x, y)
+
+    @tf.function
+    def clip():
+        result = clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(6), 1e9)
+        return result.squared_norms, result.clipped_sums
+
+    squared_norms, sums = clip()
+    np.testing.assert_allclose(np.sqrt(squared_norms.numpy()), flat_norms(per_example), rtol=1e-4)
+    for v, total in enumerate(sums):
+        np.testing.assert_allclose(total.numpy(), sum(g[v] for g in per_example), rtol=1e-4, atol=1e-6)
+    model.compile(optimizer=tf_dp.DPSGD(0.1, noise_multiplier=1.0), loss=sparse_ce)
+    model.train_on_batch(x, y, batch_size=6)
