@@ -585,14 +585,17 @@ FIXED_SEEDS_NOTE = ("note: fixed public seeds (seed s fixes the initial weights,
                     "noise). Private training: leave the seeds None (examples/_seeds.py).")
 
 
+# What --quick sets (a smoke run).
+QUICK = dict(configs=2, seeds=1, steps=6, batch_size=16, train_examples=300, pretrain_examples=300, epsilons=["1"])
+
+
 def main(argv):
     del argv
     print(FIXED_SEEDS_NOTE, flush=True)
     tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
     tf.config.threading.set_inter_op_parallelism_threads(FLAGS.threads)
     if FLAGS.quick:
-        for name, value in dict(configs=2, seeds=1, steps=6, batch_size=16, train_examples=300, pretrain_examples=300,
-                                epsilons=["1"]).items():
+        for name, value in QUICK.items():
             setattr(FLAGS, name, value)
     epsilons = [float(e) for e in FLAGS.epsilons]
     if FLAGS.stage == "report":
