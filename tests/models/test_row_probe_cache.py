@@ -215,3 +215,24 @@ def test_verdicts_hold_their_model_weakly():
     del model
     gc.collect()
     assert dead() is None
+
+
+class ScaledByHelper(keras.layers.Layer):
+    """x · helper(x): the helper is a method of the class, looked up at call time."""
+
+    def helper(self, inputs):
+        return tf.ones_like(inputs)
+
+    def call(self, inputs):
+        return inputs * self.helper(inputs)
+
+
+def test_a_helper_method_replaced_on_the_class_is_refused_on_the_next_fit(monkeypatch):
+    layer = ScaledByHelper(name="scaled_by_helper")
+    model = sequential(layer)
+    x, y = data()
+    fit(model, x, y)
+    monkeypatch.setattr(ScaledByHelper, "helper", lambda self, inputs: tf.reduce_mean(inputs, axis=0, keepdims=True))
+    assert other_rows_move(model, x[:BATCH])
+    with pytest.raises(ValueError, match="mixes examples.*scaled_by_helper"):
+        fit(model, x, y)

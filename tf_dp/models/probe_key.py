@@ -6,7 +6,8 @@ verdict holds for the model, loss and rows it was computed on, so it is reused o
 all of these are unchanged:
 
   * every layer of the model (the model itself included, in ``_flatten_layers`` order): its
-    identity and class, the function its ``call`` resolves to, its dtype policy, ``trainable``,
+    identity and class, the function its ``call`` resolves to, the functions of the user's
+    classes in its MRO (not Keras' or tf_dp's), its dtype policy, ``trainable``,
     and its configuration attributes — the scalars, tuples/lists/dicts of scalars and the
     functions (by identity, e.g. ``activation``) held in the instance's ``__dict__``, private
     ones included (Keras' training-loop bookkeeping on the model, ``_TRANSIENT``, excepted);
@@ -47,6 +48,7 @@ _TRANSIENT = frozenset({
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
               staticmethod, classmethod)
+_LIBRARIES = frozenset({"builtins", "keras", "tensorflow", "tf_keras", "tf_dp"})  # methods not keyed
 _SKIP = object()
 LOSS_DEPTH = 2  # the loss wrapper → the user's loss object → its function and arguments
 
@@ -108,7 +110,16 @@ def rows_digest(structure) -> bytes:
 def _layer_key(layer) -> tuple:
     policy = getattr(layer, "dtype_policy", None)
     return (_Identity(layer), _Identity(type(layer)), _function_key(getattr(layer, "call", None)),
-            getattr(policy, "name", repr(policy)), bool(getattr(layer, "trainable", True)), _attributes(layer, 0))
+            getattr(policy, "name", repr(policy)), bool(getattr(layer, "trainable", True)), _attributes(layer, 0),
+            _user_methods(type(layer)))
+
+
+def _user_methods(cls) -> tuple:
+    """The functions of the user's classes in ``cls``'s MRO (a helper method ``call`` uses,
+    replaced on the class, changes the key); library classes are taken as they are."""
+    return tuple((_Identity(base), tuple((name, _function_key(value)) for name, value in vars(base).items()
+                                         if isinstance(value, _FUNCTIONS)))
+                 for base in cls.__mro__ if base.__module__.partition(".")[0] not in _LIBRARIES)
 
 
 def _attributes(obj, depth: int) -> tuple:

@@ -4,9 +4,10 @@ Per-example clipping bounds example i's influence by C only if row i's output, l
 gradient depend on row i alone: ℓ_j(X) = ℓ_j(X') and ∇θ ℓ_j(X) = ∇θ ℓ_j(X') for every
 j ≠ k whenever X' is X with row k changed, REMOVED or added (add/remove adjacency changes
 the batch size B; docs/algorithms.md §1). ``validate`` refuses the Keras layers known to
-break this (BatchNormalization, MixUp, ...); this guard tests the property itself, once per
-(model, loss), on the first ``GUARD_ROWS`` real examples W (the head of the data, the first
-batch of a batched dataset or of ``train_on_batch``), before the first DP step:
+break this (BatchNormalization, MixUp, ...); this guard tests the property itself on the
+first ``GUARD_ROWS`` real examples W (the head of the data, the first batch of a batched
+dataset or of ``train_on_batch``), before the first DP step, again whenever the model, the
+loss or those rows change (the verdict's key: ``tf_dp.models.probe_key``):
 
   * changed rows (same B, bit-identical): for each bit t of the row index, the rows S whose
     bit t is 1 (then 0) are replaced by other real examples; every row outside S keeps its
@@ -35,10 +36,9 @@ the innermost layer whose output (or input gradient) moves while its inputs (or 
 gradient) do not.
 
 Limits — a test, not a proof: a layer that mixes rows only for a value that appears in no
-probed row (an example beyond the first ``GUARD_ROWS``, or a later batch of
-``train_on_batch``), only at batch sizes the probe does not try (B > ``GUARD_ROWS`` +
-``DONOR_SEARCH``, or exactly the training size), or by an amount below ``SIZE_TOLERANCE``
-when B changes, passes it.
+probed row (an example beyond the first ``GUARD_ROWS``), only at batch sizes the probe
+does not try (B > ``GUARD_ROWS`` + ``DONOR_SEARCH``, or exactly the training size), or by
+an amount below ``SIZE_TOLERANCE`` when B changes, passes it.
 """
 
 from __future__ import annotations
