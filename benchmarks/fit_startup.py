@@ -9,6 +9,9 @@ rules' bookkeeping adds.
 
     python benchmarks/fit_startup.py                    # MLP and small CNN, 3 rounds
     python benchmarks/fit_startup.py --models=mlp --rounds=5
+    python benchmarks/fit_startup.py --fold_static_counts=false   # rounding bounds built as ops (before)
+
+The probe's share (tf_dp.models.row_independence.check_rows_independent) is printed too.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "cnn"], "Models: mlp (784-256-256-10), cnn (two Conv2D + Dense).")
 flags.DEFINE_integer("rounds", 3, "Alternating rounds (a fresh DP and a fresh plain model each).")
 flags.DEFINE_integer("batch_size", 64, "Batch size (the expected Poisson batch size for DP).")
+flags.DEFINE_bool("fold_static_counts", True, "tf_dp.clipping.rounding.FOLD_STATIC_COUNTS: γ of static counts as "
+                  "constants (true) or as ops from tf.shape (false, the former graph).")
 ROWS = 1024
 
 
@@ -90,26 +95,52 @@ def traced_ops(model) -> int:
     return total
 
 
-def measure(name, build):
+class _ProbeClock:
+    """Seconds spent in the row-independence probe (wraps fitting.check_rows_independent)."""
+
+    def __init__(self):
+        from tf_dp.models import fitting
+
+        self.seconds, check = 0.0, fitting.check_rows_independent
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return check(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        fitting.check_rows_independent = timed
+
+
+def measure(name, build, clock):
     rng = np.random.default_rng(0)
     x = rng.random((ROWS, 28, 28, 1), dtype=np.float32)
     y = rng.integers(0, 10, ROWS)
     _fit_seconds(_plain(build), x, y)  # warm up TensorFlow's own one-time costs
     _fit_seconds(_dp(build), x, y)
-    dp_times, plain_times, ops = [], [], None
+    dp_times, plain_times, probe_times, ops = [], [], [], None
     for _ in range(FLAGS.rounds):
         model = _dp(build)
+        clock.seconds = 0.0
         dp_times.append(_fit_seconds(model, x, y))
+        probe_times.append(clock.seconds)
         ops = traced_ops(model)
         plain_times.append(_fit_seconds(_plain(build), x, y))
     ratio = statistics.median(d / p for d, p in zip(dp_times, plain_times))
     print(f"{name}: DP fit start-up {statistics.median(dp_times):.2f} s, plain {statistics.median(plain_times):.2f} s, "
-          f"DP/plain {ratio:.2f} (median of {FLAGS.rounds} rounds); traced DP train function: {ops} ops", flush=True)
+          f"DP/plain {ratio:.2f} (median of {FLAGS.rounds} rounds; probe {statistics.median(probe_times):.2f} s "
+          f"of the DP fit); traced DP train function: {ops} ops (fold_static_counts={FLAGS.fold_static_counts})",
+          flush=True)
 
 
 def main(_):
+    from tf_dp.clipping import rounding
+
+    rounding.FOLD_STATIC_COUNTS = FLAGS.fold_static_counts
+    clock = _ProbeClock()
     for name in FLAGS.models:
-        measure(name, {"mlp": mlp, "cnn": cnn}[name])
+        measure(name, {"mlp": mlp, "cnn": cnn}[name], clock)
 
 
 if __name__ == "__main__":
