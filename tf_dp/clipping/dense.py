@@ -75,7 +75,7 @@ class DenseContribution(Contribution):
             a_sq, s_sq = rounding.squared_sum(self.a), rounding.squared_sum(self.s)
             norms = a_sq * s_sq * (1.0 + rounding.gamma(2))
             return norms + s_sq if self.has_bias else norms
-        steps, d, k = tf.shape(self.a)[1], tf.shape(self.a)[2], tf.shape(self.s)[2]
+        steps, d, k = (rounding.dimension(t, axis) for t, axis in ((self.a, 1), (self.a, 2), (self.s, 2)))
         s_norms = rounding.row_norms(self.s)
         scale = tf.reduce_sum(rounding.row_norms(self.a) * s_norms, axis=1)  # M_i
         if self._uses_gram_form():
@@ -173,7 +173,7 @@ class DenseContribution(Contribution):
 
 def _squares(per_example: tf.Tensor) -> tf.Tensor:
     """An upper bound on Σ_j g_ij² per example, float64 (rounding.squared_sum)."""
-    return rounding.squared_sum(tf.reshape(per_example, [tf.shape(per_example)[0], -1]))
+    return rounding.squared_sum(rounding.per_example_rows(per_example))
 
 
 def _sum_of_products(c, *per_example):

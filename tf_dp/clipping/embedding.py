@@ -68,7 +68,7 @@ class EmbeddingContribution(Contribution):
                                                  self.num_rows)
         self.row_example = tf.repeat(tf.range(examples), steps)
         self.row_id = tf.reshape(ids, [-1])
-        self.examples, self.steps = examples, steps
+        self.examples, self.steps = examples, rounding.dimension(ids, 1)  # T: static if known (γ_T folds)
 
     def squared_norms(self):
         squares = tf.math.unsorted_segment_sum(rounding.squared_sum(self.rows), self.row_example, self.examples)

@@ -25,7 +25,7 @@ from tf_dp.clipping.registry import Contribution, GhostRule, Recording, unit_var
 
 def squared_row_norms(per_example: tf.Tensor) -> tf.Tensor:
     """An upper bound on Σ_j g_ij² per row of a [P, ...] tensor, float64 (rounding.squared_sum)."""
-    return rounding.squared_sum(tf.reshape(per_example, [tf.shape(per_example)[0], -1]))
+    return rounding.squared_sum(rounding.per_example_rows(per_example))
 
 
 def independent_outputs(outputs):

@@ -70,8 +70,8 @@ class TiedEmbeddingContribution(Contribution):
         e_at_ids = tf.gather(self.e, self.ids, axis=2, batch_dims=1)  # [P, T2, T1]: e_iu[id_it]
         cross = tf.reduce_sum(e_at_ids * tf.einsum("pud,ptd->put", self.h, self.s), axis=[1, 2])
         scale = _cancellation_scale(self.s, self.h, self.e)  # M_i
-        steps = tf.shape(self.s)[1] + tf.shape(self.h)[1]
-        gram_terms = steps * steps + tf.shape(self.s)[2] + tf.shape(self.e)[2] + 1
+        steps = rounding.dimension(self.s, 1) + rounding.dimension(self.h, 1)
+        gram_terms = steps * steps + rounding.dimension(self.s, 2) + rounding.dimension(self.e, 2) + 1
         return tf.square(rounding.certified_norm(lookup + projection + 2.0 * cross, scale, gram_terms, steps + 2))
 
     def weighted_sums(self, clip_factors):
@@ -103,10 +103,10 @@ class ExplicitTiedEmbeddingContribution(Contribution):
         rows = tf.stack([tf.repeat(tf.range(examples, dtype=tf.int64), lookups), tf.reshape(ids, [-1])], axis=1)
         self.grads = tf.tensor_scatter_nd_add(projections, rows, tf.reshape(s, [-1, width]))  # + s_it at id_it
         self.scale = _cancellation_scale(s, h, e)
-        self.terms = tf.shape(s)[1] + tf.shape(h)[1]
+        self.terms = rounding.dimension(s, 1) + rounding.dimension(h, 1)
 
     def squared_norms(self):
-        squares = rounding.squared_sum(tf.reshape(self.grads, [tf.shape(self.grads)[0], -1]))
+        squares = rounding.squared_sum(rounding.per_example_rows(self.grads))
         return tf.square(rounding.certified_norm(squares, self.scale, 0, self.terms + 1, summed_dtype=tf.float32))
 
     def weighted_sums(self, clip_factors):

@@ -32,10 +32,15 @@ the release but not the kernel's own distance to the exact gradient.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 
 FLOAT32_MAX = 3.4028234663852886e38
+# Counts and sizes known at trace time become float64 constants and static shapes (fewer ops
+# to trace, the same bits); False builds the ops from tf.shape as before (for comparisons).
+FOLD_STATIC_COUNTS = True
 
 
 def unit_roundoff(dtype) -> float:
@@ -57,9 +62,53 @@ def _gpus_visible() -> bool:
 def gamma(n, dtype=tf.float64) -> tf.Tensor:
     """γ_n = n·u / (1 − n·u) in float64 (n a Python or tensor count, u of ``dtype``), times
     1 + 2⁻³⁰ for the float64 rounding of the bound's own positive terms; +inf once
-    n·u ≥ 1/2 (no bound: the example then gets a zero clip factor)."""
+    n·u ≥ 1/2 (no bound: the example then gets a zero clip factor). A count known at trace
+    time gives one float64 constant (``gamma_value``: the same float64 operations, so the
+    same bits), a tensor count the ops."""
+    value = gamma_value(n, dtype)
+    if value is not None:
+        return tf.constant(value, tf.float64)
     nu = tf.maximum(tf.cast(n, tf.float64), 0.0) * unit_roundoff(dtype)
     return tf.where(nu < 0.5, (1.0 + 2.0 ** -30) * nu / (1.0 - nu), tf.constant(float("inf"), tf.float64))
+
+
+def gamma_value(n, dtype=tf.float64) -> Optional[float]:
+    """γ_n of ``gamma`` as a Python float (IEEE float64, the graph's operations in the
+    graph's order) when n is known at trace time (a Python number or a constant tensor),
+    else None."""
+    count = static_count(n) if FOLD_STATIC_COUNTS else None
+    if count is None:
+        return None
+    nu = max(count, 0.0) * unit_roundoff(dtype)
+    return (1.0 + 2.0 ** -30) * nu / (1.0 - nu) if nu < 0.5 else float("inf")
+
+
+def static_count(n) -> Optional[float]:
+    """float64(n) for a count known at trace time (Python, numpy or constant scalar), else None."""
+    if isinstance(n, (bool, np.bool_)):
+        return None
+    if isinstance(n, (int, float, np.integer, np.floating)):
+        return float(n)
+    if tf.is_tensor(n) and n.shape.rank == 0:
+        value = tf.get_static_value(n)
+        if value is not None:
+            return float(value)
+    return None
+
+
+def dimension(tensor: tf.Tensor, axis: int):
+    """``tensor``'s size along ``axis``: a Python int when static, else a scalar tensor."""
+    size = tensor.shape[axis]
+    return size if size is not None and FOLD_STATIC_COUNTS else tf.shape(tensor)[axis]
+
+
+def per_example_rows(tensor: tf.Tensor) -> tf.Tensor:
+    """``tensor`` [P, ...] as [P, n], n static whenever the trailing sizes are (so
+    ``squared_sum`` chunks it without shape ops)."""
+    trailing = tensor.shape[1:]
+    if FOLD_STATIC_COUNTS and trailing.is_fully_defined() and trailing.num_elements() > 0:
+        return tf.reshape(tensor, [-1 if tensor.shape[0] is None else tensor.shape[0], trailing.num_elements()])
+    return tf.reshape(tensor, [tf.shape(tensor)[0], -1])
 
 
 def certified_norm(squared_estimate: tf.Tensor, cancellation_scale: tf.Tensor, gram_terms, summed_terms,
@@ -93,17 +142,42 @@ def squared_sum(tensor: tf.Tensor) -> tf.Tensor:
     A float32 chunk beyond 3.4e38 gives inf: that example is then dropped (clip factor 0),
     never clipped too weakly."""
     if tensor.dtype == tf.float64:
-        n = tf.shape(tensor)[-1]
-        return tf.reduce_sum(tf.square(tensor), axis=-1) * (1.0 + gamma(n + 1))
+        n = tensor.shape[-1]
+        raise_by = _one_plus_gamma(None if n is None else n + 1, lambda: tf.shape(tensor)[-1] + 1)
+        return tf.reduce_sum(tf.square(tensor), axis=-1) * raise_by
     n = tensor.shape[-1]
     chunk = _chunk_size(n)
     if n is None or n % chunk:
-        pad = tf.math.floormod(-tf.shape(tensor)[-1], chunk)
-        tensor = tf.pad(tensor, tf.concat([tf.zeros([tf.rank(tensor) - 1, 2], tf.int32), [[0, pad]]], axis=0))
-    chunks = tf.reshape(tensor, tf.concat([tf.shape(tensor)[:-1], [-1, chunk]], axis=0))
+        tensor = _pad_last_axis(tensor, n, chunk)
+    chunks = _reshape_into_chunks(tensor, chunk)
     partial = tf.cast(tf.reduce_sum(tf.square(chunks), axis=-1), tf.float64)
     total = tf.reduce_sum(partial, axis=-1)
-    return total * (1.0 + gamma(chunk, tensor.dtype)) * (1.0 + gamma(tf.shape(partial)[-1]))
+    return total * _one_plus_gamma(chunk, lambda: chunk, tensor.dtype) * _one_plus_gamma(
+        partial.shape[-1], lambda: tf.shape(partial)[-1])
+
+
+def _one_plus_gamma(static_n, dynamic_n, dtype=tf.float64):
+    """1 + γ_n: a Python float when n is static (``static_n``), else the ops on ``dynamic_n()``."""
+    value = None if static_n is None else gamma_value(static_n, dtype)
+    return 1.0 + value if value is not None else 1.0 + gamma(dynamic_n(), dtype)
+
+
+def _pad_last_axis(tensor: tf.Tensor, n, chunk: int) -> tf.Tensor:
+    """Zeros up to a multiple of ``chunk`` along the last axis (static paddings when n and the rank are)."""
+    rank = tensor.shape.rank
+    if FOLD_STATIC_COUNTS and n is not None and rank is not None:
+        return tf.pad(tensor, [[0, 0]] * (rank - 1) + [[0, -n % chunk]])
+    pad = tf.math.floormod(-tf.shape(tensor)[-1], chunk)
+    return tf.pad(tensor, tf.concat([tf.zeros([tf.rank(tensor) - 1, 2], tf.int32), [[0, pad]]], axis=0))
+
+
+def _reshape_into_chunks(tensor: tf.Tensor, chunk: int) -> tf.Tensor:
+    """[..., n] → [..., n / chunk, chunk]: a static shape when at most one leading size is unknown."""
+    dims = tensor.shape.as_list() if tensor.shape.rank is not None else None
+    if FOLD_STATIC_COUNTS and dims is not None and all(d is None or d > 0 for d in dims) and dims[-1] is not None \
+            and sum(d is None for d in dims[:-1]) <= 1:
+        return tf.reshape(tensor, [-1 if d is None else d for d in dims[:-1]] + [dims[-1] // chunk, chunk])
+    return tf.reshape(tensor, tf.concat([tf.shape(tensor)[:-1], [-1, chunk]], axis=0))
 
 
 def row_norms(tensor: tf.Tensor) -> tf.Tensor:

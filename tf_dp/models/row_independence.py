@@ -4,9 +4,10 @@ Per-example clipping bounds example i's influence by C only if row i's output, l
 gradient depend on row i alone: ℓ_j(X) = ℓ_j(X') and ∇θ ℓ_j(X) = ∇θ ℓ_j(X') for every
 j ≠ k whenever X' is X with row k changed, REMOVED or added (add/remove adjacency changes
 the batch size B; docs/algorithms.md §1). ``validate`` refuses the Keras layers known to
-break this (BatchNormalization, MixUp, ...); this guard tests the property itself, once per
-(model, loss), on the first ``GUARD_ROWS`` real examples W (the head of the data, the first
-batch of a batched dataset or of ``train_on_batch``), before the first DP step:
+break this (BatchNormalization, MixUp, ...); this guard tests the property itself on the
+first ``GUARD_ROWS`` real examples W (the head of the data, the first batch of a batched
+dataset or of ``train_on_batch``), before the first DP step, again whenever the model, the
+loss or those rows change (the verdict's key: ``tf_dp.models.probe_key``):
 
   * changed rows (same B, bit-identical): for each bit t of the row index, the rows S whose
     bit t is 1 (then 0) are replaced by other real examples; every row outside S keeps its
@@ -35,10 +36,9 @@ the innermost layer whose output (or input gradient) moves while its inputs (or 
 gradient) do not.
 
 Limits — a test, not a proof: a layer that mixes rows only for a value that appears in no
-probed row (an example beyond the first ``GUARD_ROWS``, or a later batch of
-``train_on_batch``), only at batch sizes the probe does not try (B > ``GUARD_ROWS`` +
-``DONOR_SEARCH``, or exactly the training size), or by an amount below ``SIZE_TOLERANCE``
-when B changes, passes it.
+probed row (an example beyond the first ``GUARD_ROWS``), only at batch sizes the probe
+does not try (B > ``GUARD_ROWS`` + ``DONOR_SEARCH``, or exactly the training size), or by
+an amount below ``SIZE_TOLERANCE`` when B changes, passes it.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ import tensorflow as tf
 from tf_dp.clipping.layer_per_example import calls_wrapped
 from tf_dp.clipping.per_example import total_embedding_lookups
 from tf_dp.models.losses import without_unused_targets
+from tf_dp.models.probe_key import verdict_key
 from tf_dp.sampling.sources import num_rows
 
 GUARD_ROWS = 16  # the real examples probed together (W)
@@ -65,7 +66,9 @@ RANDOM_DRAWS = 3
 GRADIENT_BITS = 1  # changed-row probes whose gradients are compared: those of the index's lowest bits
 SIZE_TOLERANCE = 1e-4  # relative, for values compared across batch sizes (float32; looser for 16-bit floats)
 
-_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+VERDICTS_KEPT = 8  # passed keys remembered per model (train_on_batch alternating between batches)
+
+_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → its passed verdict keys
 
 
 @dataclasses.dataclass
@@ -85,7 +88,9 @@ def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=Non
     """Raises ValueError if changing, removing or adding examples of a small batch changes
     another example's output, loss or gradient (see module docstring). ``x, y``: the
     training arrays (or tensors), or a batched tf.data.Dataset of (x, y), whose first
-    batch is used. Runs once per (model, per_example_loss).
+    batch is used. A passed verdict is reused only while its key is unchanged: the model's
+    layers and variables, the loss, m and a digest of the probed rows
+    (``tf_dp.models.probe_key``); anything else probes again.
 
     Args:
       model: the Keras model (built here on a few rows if needed).
@@ -94,27 +99,39 @@ def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=Non
         the replacements and the larger batch.
       rows: m, the size of the probed batch W.
     """
-    if per_example_loss in _checked.get(model, ()):
+    head = _probed_head(per_example_loss, x, y, rows)
+    if head is None:  # fewer than 2 rows: nothing to compare
+        return
+    if not model.built:
+        model(_take(head, np.arange(min(3, num_rows(head[0]))))[0], training=False)
+    verdicts = _checked.get(model, [])
+    if verdict_key(model, per_example_loss, head, rows) in verdicts:
         return
     with total_embedding_lookups(model):  # ids out of range look up zeros, as in the DP step
-        checked = _check(model, per_example_loss, x, y, rows)
-    if checked:
-        _checked.setdefault(model, weakref.WeakSet() if _weakrefable(per_example_loss) else set()).add(per_example_loss)
+        checked = _check(model, per_example_loss, *head, rows)
+    if checked:  # the key after the probe: the loss resolves by shapes on first use
+        verdicts = [*verdicts, verdict_key(model, per_example_loss, head, rows)][-VERDICTS_KEPT:]
+        _checked[model] = verdicts
 
 
-def _check(model, per_example_loss, x, y, rows: int) -> bool:
-    """The probes of the module docstring; False if there was nothing to check."""
+def _probed_head(per_example_loss, x, y, rows: int):
+    """(x, y) as numpy, the rows the probe reads (W and its donors), or None if < 2 rows."""
     if isinstance(x, tf.data.Dataset):
         x, y = _first_batch(x)
         y = without_unused_targets(per_example_loss, y)  # (y0, None) for loss=[fn, None]
     x, y = _as_numpy(x), None if y is None else _as_numpy(y)
     count = min(num_rows(x), rows + DONOR_SEARCH)
     if count < 2:
-        return False
+        return None
+    return _take((x, y), np.arange(count))
+
+
+def _check(model, per_example_loss, x, y, rows: int) -> bool:
+    """The probes of the module docstring on the head rows ``x, y``; False if the model is
+    not reproducible (nothing could be checked)."""
+    count = num_rows(x)
     batch = _take((x, y), np.arange(min(rows, count)))
-    if not model.built:
-        model(_take(batch, np.arange(min(3, count)))[0], training=False)
-    probes = _probes(_take((x, y), np.arange(count)), num_rows(batch[0]), RANDOM_DRAWS)
+    probes = _probes((x, y), num_rows(batch[0]), RANDOM_DRAWS)
     gradients = per_example_loss is not None and y is not None and bool(model.trainable_variables)
     first = _base(model, per_example_loss, batch, [p for p in probes if p.draw == 0], True, 0, gradients,
                   check_state=True)
@@ -393,14 +410,6 @@ def _as_numpy(structure):
 
 def _take(structure, indices: np.ndarray):
     return tf.nest.map_structure(lambda a: None if a is None else a[indices], structure)
-
-
-def _weakrefable(value) -> bool:
-    try:
-        weakref.ref(value)
-        return True
-    except TypeError:
-        return False
 
 
 def _row_values(model, per_example_loss, batch, training: bool, draw: int = 0) -> list[tuple[str, np.ndarray]]:

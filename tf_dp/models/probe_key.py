@@ -1,0 +1,172 @@
+"""What the row-independence verdict depends on: the key under which a passed probe is reused.
+
+``tf_dp.models.row_independence`` tests that each example's output, loss and gradient depend
+on its own row only (docs/algorithms.md §1), by running the model on a few real rows. The
+verdict holds for the model, loss and rows it was computed on, so it is reused only while
+all of these are unchanged:
+
+  * every layer of the model (the model itself included, in ``_flatten_layers`` order): its
+    identity and class, the function its ``call`` resolves to, the functions of the user's
+    classes in its MRO (not Keras' or tf_dp's), its dtype policy, ``trainable``,
+    and its configuration attributes — the scalars, tuples/lists/dicts of scalars and the
+    functions (by identity, e.g. ``activation``) held in the instance's ``__dict__``, private
+    ones included (Keras' training-loop bookkeeping on the model, ``_TRANSIENT``, excepted);
+    a layer swapped in or out, an attribute flipped by hand, a ``call`` replaced on the
+    instance or the class, all change the key;
+  * every model variable (weights and seed states): identity, shape, dtype, ``trainable``;
+  * the per-example loss: its identity and, two objects deep, its attributes (the user's loss
+    object, its function and arguments), so a recompile (a new loss) or a loss attribute
+    changed in place re-probes;
+  * the probed rows: their count m, and a blake2b digest of the head rows the probe reads
+    (structure, dtypes, shapes and bytes), so another data set, other shapes (a recompile for
+    other inputs) or a new ``train_on_batch`` batch re-probe.
+
+Objects are held weakly (``_Identity``): a key whose object was collected matches nothing, so
+an address reused by a new object never revives an old verdict. Variable values are not part
+of the key (they change every step): a layer that mixes rows only for some weight values is
+outside the probe (module docstring of ``row_independence``, limits).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import types
+import weakref
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+# Model attributes that Keras' and tf_dp's training loops (fit, evaluate, predict, train_on_batch)
+# rewrite between calls; none changes what a forward pass computes.
+_TRANSIENT = frozenset({
+    "_called", "_distributed_dataset", "_eval_epoch_iterator", "_initial_epoch", "_lock", "_self_update_uid",
+    "predict_function", "stop_evaluating", "stop_predicting", "stop_training", "test_function", "train_function",
+    "history", "_declared_batch_size", "_phase_arguments", "step_plan",
+})
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
+              staticmethod, classmethod)
+_LIBRARIES = frozenset({"builtins", "keras", "tensorflow", "tf_keras", "tf_dp"})  # methods not keyed
+_SKIP = object()
+LOSS_DEPTH = 2  # the loss wrapper → the user's loss object → its function and arguments
+
+
+class _Identity:
+    """An object compared by identity, held weakly when it can be: equal to another
+    ``_Identity`` only while both refer to the same live object."""
+
+    __slots__ = ("_get",)
+
+    def __init__(self, obj):
+        try:
+            self._get = weakref.ref(obj)
+        except TypeError:  # not weakly referable (a builtin, a slot class): held strongly
+            self._get = lambda: obj
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, _Identity):
+            return NotImplemented
+        mine = self._get()
+        return mine is not None and mine is other._get()
+
+    def __hash__(self) -> int:
+        return 0  # keys are compared, never hashed into a table
+
+    def __repr__(self) -> str:
+        return f"_Identity({type(self._get()).__name__})"
+
+
+def verdict_key(model, per_example_loss, head, rows: int) -> tuple:
+    """The key of a row-independence verdict for ``model`` (built), ``per_example_loss`` and
+    ``head`` = the (x, y) numpy rows the probe reads, of which the first ``rows`` are W."""
+    layers = tuple(_layer_key(layer) for layer in model._flatten_layers(include_self=True))
+    variables = tuple((_Identity(v), tuple(v.shape), str(v.dtype), bool(v.trainable)) for v in model.variables)
+    return (layers, variables, _value_key(per_example_loss, LOSS_DEPTH), int(rows), rows_digest(head))
+
+
+def rows_digest(structure) -> bytes:
+    """blake2b of a nest of arrays: its structure, and each leaf's dtype, shape and contents
+    (object arrays — strings — element by element)."""
+    digest = hashlib.blake2b(digest_size=32)
+    leaves = tf.nest.flatten(structure)
+    digest.update(repr(tf.nest.map_structure(lambda _: 0, structure) if leaves else structure).encode())
+    for leaf in leaves:
+        if leaf is None:
+            digest.update(b"|None")
+            continue
+        array = np.asarray(leaf)
+        digest.update(f"|{array.dtype.str}{array.shape}|".encode())
+        if array.dtype == object:
+            for element in array.ravel():
+                text = repr(element).encode()
+                digest.update(len(text).to_bytes(8, "little") + text)
+        else:
+            digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.digest()
+
+
+def _layer_key(layer) -> tuple:
+    policy = getattr(layer, "dtype_policy", None)
+    return (_Identity(layer), _Identity(type(layer)), _function_key(getattr(layer, "call", None)),
+            getattr(policy, "name", repr(policy)), bool(getattr(layer, "trainable", True)), _attributes(layer, 0),
+            _user_methods(type(layer)))
+
+
+def _user_methods(cls) -> tuple:
+    """The functions of the user's classes in ``cls``'s MRO (a helper method ``call`` uses,
+    replaced on the class, changes the key); library classes are taken as they are."""
+    return tuple((_Identity(base), tuple((name, _function_key(value)) for name, value in vars(base).items()
+                                         if isinstance(value, _FUNCTIONS)))
+                 for base in cls.__mro__ if base.__module__.partition(".")[0] not in _LIBRARIES)
+
+
+def _attributes(obj, depth: int) -> tuple:
+    """(name, key) of the instance attributes that configure ``obj`` (module docstring)."""
+    items = []
+    for name, value in sorted(getattr(obj, "__dict__", {}).items()):
+        if name in _TRANSIENT:
+            continue
+        key = _value_key(value, depth)
+        if key is not _SKIP:
+            items.append((name, key))
+    return tuple(items)
+
+
+def _value_key(value, depth: int):
+    """A comparable stand-in for ``value``: scalars as themselves, functions by identity,
+    containers of those element by element, other objects (to ``depth``) by identity, class
+    and attributes; layers and variables are keyed by the model's own entries (``_SKIP``)."""
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if isinstance(value, _SCALARS):
+        return (type(value).__name__, value)
+    if isinstance(value, _FUNCTIONS) or isinstance(value, type):
+        return _function_key(value)
+    if isinstance(value, (keras.layers.Layer, keras.Variable, tf.Variable, set, frozenset)):
+        return _SKIP  # layers and variables: keyed on their own; sets: caches (a loss's probed shapes)
+    if isinstance(value, (list, tuple)):
+        keys = tuple(_value_key(v, depth) for v in value)
+        return (type(value).__name__, keys) if all(k is not _SKIP for k in keys) else _SKIP
+    if isinstance(value, dict):
+        if not all(isinstance(k, _SCALARS) for k in value):
+            return _SKIP
+        keys = tuple((repr(k), _value_key(v, depth)) for k, v in sorted(value.items(), key=lambda kv: repr(kv[0])))
+        return ("dict", keys) if all(k is not _SKIP for _, k in keys) else _SKIP
+    if depth > 0:
+        return ("object", _Identity(value), _Identity(type(value)), _attributes(value, depth - 1))
+    return _SKIP
+
+
+def _function_key(function):
+    """A function by identity; a bound method by (function, the object it is bound to),
+    since each attribute access builds a new method object."""
+    if isinstance(function, types.MethodType):
+        return ("method", _Identity(function.__func__), _Identity(function.__self__))
+    if isinstance(function, (staticmethod, classmethod)):
+        return ("method", _Identity(function.__func__))
+    if isinstance(function, functools.partial):
+        return ("partial", _function_key(function.func), _value_key(function.args, 0),
+                _value_key(function.keywords, 0))
+    return ("function", None if function is None else _Identity(function))
