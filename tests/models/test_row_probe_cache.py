@@ -189,8 +189,11 @@ def test_an_unchanged_model_is_not_probed_again(probe_runs):
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, validation_data=(x, y))
     fit(model, x, y)
     assert len(probe_runs) == 1
-    model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)  # other rows: probed once
+    model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)  # another shape of rows: probed once
     model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)
+    # train_on_batch keys its batches by structure, dtypes and shapes (not values): a loop over
+    # new batches is not probed on every call
+    model.train_on_batch(x[BATCH:2 * BATCH], y[BATCH:2 * BATCH], batch_size=BATCH)
     assert len(probe_runs) == 2
 
 

@@ -271,7 +271,7 @@ class DPFitting:
             # clipped and summed R times (sensitivity R·C). Datasets are split correctly.
             raise ValueError("train_on_batch is not supported under a multi-replica tf.distribute strategy: "
                              "use fit(), which splits batches across replicas.")
-        check_rows_independent(self, self._dp_loss, x, y)
+        check_rows_independent(self, self._dp_loss, x, y, key_contents=False)
         if batch_size is None:
             phase = self.privacy_ledger.current_phase()
             running = phase is not None and phase.scheme == "batches" and phase.expected_batch_size > 0

@@ -78,17 +78,21 @@ class _Identity:
         return f"_Identity({type(self._get()).__name__})"
 
 
-def verdict_key(model, per_example_loss, head, rows: int) -> tuple:
+def verdict_key(model, per_example_loss, head, rows: int, key_contents: bool = True) -> tuple:
     """The key of a row-independence verdict for ``model`` (built), ``per_example_loss`` and
-    ``head`` = the (x, y) numpy rows the probe reads, of which the first ``rows`` are W."""
+    ``head`` = the (x, y) numpy rows the probe reads, of which the first ``rows`` are W.
+
+    ``key_contents=False`` keys the rows by structure, dtypes and shapes only (``train_on_batch``:
+    a loop over new batches would otherwise pay a probe, ~0.2–0.4 s, on every call)."""
     layers = tuple(_layer_key(layer) for layer in model._flatten_layers(include_self=True))
     variables = tuple((_Identity(v), tuple(v.shape), str(v.dtype), bool(v.trainable)) for v in model.variables)
-    return (layers, variables, _value_key(per_example_loss, LOSS_DEPTH), int(rows), rows_digest(head))
+    return (layers, variables, _value_key(per_example_loss, LOSS_DEPTH), int(rows),
+            rows_digest(head, contents=key_contents))
 
 
-def rows_digest(structure) -> bytes:
-    """blake2b of a nest of arrays: its structure, and each leaf's dtype, shape and contents
-    (object arrays — strings — element by element)."""
+def rows_digest(structure, contents: bool = True) -> bytes:
+    """blake2b of a nest of arrays: its structure, and each leaf's dtype, shape and (with
+    ``contents``) its values (object arrays — strings — element by element)."""
     digest = hashlib.blake2b(digest_size=32)
     leaves = tf.nest.flatten(structure)
     digest.update(repr(tf.nest.map_structure(lambda _: 0, structure) if leaves else structure).encode())
@@ -98,6 +102,8 @@ def rows_digest(structure) -> bytes:
             continue
         array = np.asarray(leaf)
         digest.update(f"|{array.dtype.str}{array.shape}|".encode())
+        if not contents:
+            continue
         if array.dtype == object:
             for element in array.ravel():
                 text = repr(element).encode()

@@ -84,7 +84,8 @@ class _Probe:
     weighted: bool = True
 
 
-def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=None, rows: int = GUARD_ROWS) -> None:
+def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=None, rows: int = GUARD_ROWS,
+                           key_contents: bool = True) -> None:
     """Raises ValueError if changing, removing or adding examples of a small batch changes
     another example's output, loss or gradient (see module docstring). ``x, y``: the
     training arrays (or tensors), or a batched tf.data.Dataset of (x, y), whose first
@@ -98,6 +99,9 @@ def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=Non
       x, y: the examples; their first ``rows`` are probed, the next ``DONOR_SEARCH`` are
         the replacements and the larger batch.
       rows: m, the size of the probed batch W.
+      key_contents: key the verdict on the probed rows' values too (fit: once per call);
+        False keys their structure, dtypes and shapes only (``train_on_batch``, called per
+        batch: new values alone do not re-probe).
     """
     head = _probed_head(per_example_loss, x, y, rows)
     if head is None:  # fewer than 2 rows: nothing to compare
@@ -105,12 +109,12 @@ def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=Non
     if not model.built:
         model(_take(head, np.arange(min(3, num_rows(head[0]))))[0], training=False)
     verdicts = _checked.get(model, [])
-    if verdict_key(model, per_example_loss, head, rows) in verdicts:
+    if verdict_key(model, per_example_loss, head, rows, key_contents) in verdicts:
         return
     with total_embedding_lookups(model):  # ids out of range look up zeros, as in the DP step
         checked = _check(model, per_example_loss, *head, rows)
     if checked:  # the key after the probe: the loss resolves by shapes on first use
-        verdicts = [*verdicts, verdict_key(model, per_example_loss, head, rows)][-VERDICTS_KEPT:]
+        verdicts = [*verdicts, verdict_key(model, per_example_loss, head, rows, key_contents)][-VERDICTS_KEPT:]
         _checked[model] = verdicts
 
 
