@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.clipping.rules.models import mixed_model
 from tests.harness import flat_norms, loop_per_example_gradients, sparse_ce
 from tf_dp.clipping import Normalized, clipped_gradient_sum, resolve_clipping
 
@@ -19,17 +20,6 @@ def dense_model(activation="tanh", use_bias=True):
     hidden = keras.layers.Dense(5, activation=activation, use_bias=use_bias)(inputs)
     outputs = keras.layers.Dense(3, use_bias=use_bias)(hidden)
     return keras.Model(inputs, outputs), np.random.randn(BATCH, 7).astype("float32")
-
-
-def mixed_model():
-    """Ghost rules (Embedding, Conv1D, LayerNorm, Dense) and a per-example fallback (PReLU)."""
-    inputs = keras.Input((6,), dtype="int32")
-    hidden = keras.layers.Embedding(9, 8)(inputs)
-    hidden = keras.layers.Conv1D(4, 3)(hidden)
-    hidden = keras.layers.PReLU()(hidden)
-    hidden = keras.layers.LayerNormalization()(hidden)
-    hidden = keras.layers.Dense(5, activation="relu")(keras.layers.Flatten()(hidden))
-    return keras.Model(inputs, keras.layers.Dense(3)(hidden)), np.random.randint(0, 9, (BATCH, 6)).astype("int32")
 
 
 def squared_output(y_true, y_pred):

@@ -48,9 +48,9 @@ def _optimizer(kind, seed):
     return cls(1e-3, l2_norm_clip=CLIP, noise_multiplier=SIGMA, seed=seed, noise=noise, noise_bias_correction=True)
 
 
-def _run_zero_gradient_steps(optimizer, variables, steps):
-    """``steps`` compiled DP steps on zero clipped sums; returns (ĝ_t flattened [T, n], the noise
-    variance handed to the inner optimizer at each step [T] (None if it takes none))."""
+def _record_handed_variance(optimizer) -> tf.Variable:
+    """A variable that receives the noise variance handed to the inner optimizer at each step
+    (stays −1 if the inner optimizer takes none)."""
     handed = tf.Variable(-1.0, dtype=tf.float32)
     inner = optimizer.inner_optimizer
     if getattr(inner, "uses_noise_variance", False):
@@ -61,6 +61,13 @@ def _run_zero_gradient_steps(optimizer, variables, steps):
             return original(noise_variance)
 
         inner.noise_variance_of_step = recording
+    return handed
+
+
+def _run_zero_gradient_steps(optimizer, variables, steps):
+    """``steps`` compiled DP steps on zero clipped sums; returns (ĝ_t flattened [T, n], the noise
+    variance handed to the inner optimizer at each step [T] (None if it takes none))."""
+    handed = _record_handed_variance(optimizer)
 
     @tf.function
     def step(dp_step):
@@ -159,15 +166,7 @@ def _filtered_noise_run(optimizer, counters, size=24000):
     """Compiled DP steps on zero clipped sums at the given noise counters; returns the
     measured per-coordinate variance of g̃_t and the variance handed to the inner optimizer."""
     variables = [keras.Variable(np.zeros((size,), np.float32))]
-    handed = tf.Variable(-1.0, dtype=tf.float32)
-    inner = optimizer.inner_optimizer
-    original = inner.noise_variance_of_step
-
-    def recording(noise_variance):
-        handed.assign(tf.cast(noise_variance, tf.float32))
-        return original(noise_variance)
-
-    inner.noise_variance_of_step = recording
+    handed = _record_handed_variance(optimizer)
 
     @tf.function
     def step(dp_step):
