@@ -148,7 +148,7 @@ class _MaxNormBound:
 
     initial = 0.5
 
-    def next_bound(self, bound, squared_norms, mask, expected_batch_size, key, dp_step):
+    def next_bound(self, bound, squared_norms, mask, expected_batch_size, key, dp_step, noise_multiplier=None):
         return tf.sqrt(tf.reduce_max(tf.where(mask > 0, squared_norms, 0.0)))
 
     def gradient_noise_multiplier(self, sigma, expected_batch_size=None):

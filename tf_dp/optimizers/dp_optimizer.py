@@ -91,8 +91,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
       inner_optimizer: the Keras optimizer that updates the weights with the privatized
         gradient (not built yet, not itself a DP optimizer).
       l2_norm_clip: C, the per-example clipping bound; or an adaptive bound (an object with
-        ``next_bound``/``gradient_noise_multiplier``, e.g. ``tf_dp.clipping.AdaptiveClip``)
-        whose current C_t lives in the ``l2_norm_clip`` variable.
+        ``next_bound(C_t, squared_norms, mask, expected_batch_size, key, dp_step,
+        noise_multiplier=σ)`` and ``gradient_noise_multiplier(σ, expected_batch_size)``, e.g.
+        ``tf_dp.clipping.AdaptiveClip``) whose current C_t lives in the ``l2_norm_clip``
+        variable; ``next_bound`` receives the step's σ so that it releases nothing noised
+        below what the ledger records (docs/algorithms.md §12).
       noise_multiplier: σ; the noise on the clipped sum has std σ·clipping.sensitivity(C).
         ``None`` only when a ``target_epsilon`` given to ``DPModel.compile`` calibrates it.
       seed: key of the noise stream (reproducible). ``None`` draws a fresh one from the OS.
