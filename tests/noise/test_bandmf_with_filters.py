@@ -283,7 +283,8 @@ def test_fiber_with_bandmf_fits_saves_and_resumes(tmp_path):
         restored = keras.models.load_model(path)
         restored.fit(x, y, batch_size=12, steps_per_epoch=1, epochs=1, verbose=0)
     after = restored.optimizer.part_state(restored.optimizer.gradient_filter)["noise_covariance"].numpy()
-    transition, drive = restored.optimizer.gradient_filter._correlated[1:3]
+    noise = restored.optimizer.gradient_filter._correlated
+    transition, drive = noise.transition, noise.drive
     kept = covariance.reshape(5, 5).copy()
     kept[2:, :] = 0.0
     kept[:, 2:] = 0.0

@@ -15,8 +15,10 @@ noise-bias-corrected Adam of ``tf_dp.optimizers.BiasCorrectedAdamW`` subtracts i
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_dp import _checks
@@ -85,6 +87,19 @@ def all_reduce_sum(gradients: Sequence[tf.Tensor]) -> list:
 
 
 # ------------------------------------------------------------------ filters
+@dataclasses.dataclass(frozen=True)
+class CorrelatedNoise:
+    """What a filter needs to track correlated noise (docs/algorithms.md §10.6): the privatizer
+    (its ``segment_restarted()``), M and u of the joint system, the filter's state size d and
+    the stationary A'_∞ (NaN unless correction="stationary")."""
+
+    privatizer: object
+    transition: np.ndarray
+    drive: np.ndarray
+    filter_size: int
+    stationary_attenuation: float
+
+
 class GradientFilter:
     """A linear filter on ĝ_t: g̃_t = F(g̃_{t−1}, ĝ_t), post-processing (free in privacy).
 
@@ -108,13 +123,13 @@ class GradientFilter:
 
     def __init__(self, correction: str = "transient"):
         self.correction = _checks.one_of("correction", correction, CORRECTIONS)
-        self._correlated = None  # (privatizer, M, u, A'_∞) once following correlated noise
+        self._correlated: Optional[CorrelatedNoise] = None  # set by follow_correlated_noise
 
     @property
     def stationary_attenuation(self) -> float:
         """A: the fraction of its input's noise variance the stationary filter passes."""
         if self._correlated is not None:
-            return self._correlated[3]
+            return self._correlated.stationary_attenuation
         return self._white_stationary_attenuation
 
     @property
@@ -128,11 +143,12 @@ class GradientFilter:
         Args:
           privatizer: exposes ``noise_recursion()`` (c_0, …, c_{b−1}) and ``segment_restarted()``.
         """
-        transition, drive = joint_system(*self.state_space(), privatizer.noise_recursion())
-        size = len(self.state_space()[1])
+        filter_transition, filter_input = self.state_space()
+        transition, drive = joint_system(filter_transition, filter_input, privatizer.noise_recursion())
+        size = len(filter_input)
         stationary = stationary_attenuation_of_marginal(transition, drive, size) \
             if self.correction == "stationary" else float("nan")
-        self._correlated = (privatizer, transition, drive, stationary)
+        self._correlated = CorrelatedNoise(privatizer, transition, drive, size, stationary)
         self.noise_state_size = transition.shape[0] ** 2
 
     def state_space(self) -> tuple:
@@ -168,15 +184,15 @@ class GradientFilter:
     def _advanced_noise_covariance(self, covariance):
         if self._correlated is None:
             return self.advance_noise(covariance)
-        privatizer, transition, drive, _ = self._correlated
-        return joint_covariance_step(covariance, transition, drive, len(self.state_space()[1]),
-                                     privatizer.segment_restarted())
+        noise = self._correlated
+        return joint_covariance_step(covariance, noise.transition, noise.drive, noise.filter_size,
+                                     noise.privatizer.segment_restarted())
 
     def attenuation(self, covariance) -> tf.Tensor:
         """A_t from the tracked covariance: its entry 0 (white noise), or P_t[0, 0]/F_n (§10.6)."""
         if self._correlated is None:
             return covariance[0]
-        return attenuation_of_marginal(covariance, len(self.state_space()[1]))
+        return attenuation_of_marginal(covariance, self._correlated.filter_size)
 
     def handed_on_variance(self, attenuation: tf.Tensor, noise_variance: tf.Tensor) -> tf.Tensor:
         """A_t·σ_w² ("transient"), A·σ_w² ("stationary") or σ_w² ("full")."""
