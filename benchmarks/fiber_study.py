@@ -27,6 +27,9 @@ Protocol (identical for every optimizer; docs/fiber_study.md has the results):
     (bandmf_sgd at DP-SGD's, bandmf_adamw at DP-AdamW's validation argmax, same seeds), labelled
     ``bandmf_sgd@dpsgd`` / ``bandmf_adamw@dpadamw``: a paired comparison of the noise alone
     when the full tuning sweep of the BandMF optimizers is too costly (it favours the partner).
+    ``bandmf_fiber`` (FIBER with ``noise=BandMF(--bands)``, its noise-bias correction following
+    the correlated noise, docs/algorithms.md §10.6; not in the default --optimizers) runs there
+    at FIBER's tuned config: ``--stage=borrowed --optimizers=bandmf_fiber``.
   * Curves (``--stage=curves``): DP-SGD at its tuned config run for T/2, T, 2T and 4T steps, σ
     calibrated for each length (is T long enough for DP-SGD to plateau?).
 
@@ -69,7 +72,7 @@ flags.DEFINE_enum("stage", "main", ["main", "ablation", "diagnostic", "curves", 
 flags.DEFINE_list("epsilons", ["0.5", "8", "2", "1", "4"], "Target ε values, in the order they are run.")
 flags.DEFINE_list("optimizers", ["dpsgd", "dpadamw", "dpadambc", "disk", "fiber", "bandmf_sgd", "bandmf_adamw"],
                   "Optimizers.")
-flags.DEFINE_integer("bands", 4, "b of the BandMF optimizers (bandmf_sgd, bandmf_adamw).")
+flags.DEFINE_integer("bands", 4, "b of the BandMF optimizers (bandmf_sgd, bandmf_adamw, bandmf_fiber).")
 flags.DEFINE_integer("configs", 12, "Tuning configurations per optimizer and ε.")
 flags.DEFINE_integer("seeds", 3, "Seeds of the final runs.")
 flags.DEFINE_integer("steps", 200, "Step budget T (every optimizer, every ε).")
@@ -100,8 +103,9 @@ SPACES = {
     "bandmf_sgd": {"learning_rate": (3e-3, 1.0, "log")},  # DP-SGD's space (momentum 0.9)
     "bandmf_adamw": {"learning_rate": (1e-4, 3e-2, "log")},  # DP-AdamW's space
 }
-BANDMF = ("bandmf_sgd", "bandmf_adamw")  # noise=BandMF(--bands): cyclic Poisson, the amplified BandMF event
-BANDMF_PARTNERS = {"bandmf_sgd": "dpsgd", "bandmf_adamw": "dpadamw"}  # same optimizer, independent noise
+SPACES["bandmf_fiber"] = SPACES["fiber"]  # FIBER whose noise-bias correction follows BandMF's noise (§10.6)
+BANDMF = ("bandmf_sgd", "bandmf_adamw", "bandmf_fiber")  # noise=BandMF(--bands): cyclic Poisson, amplified event
+BANDMF_PARTNERS = {"bandmf_sgd": "dpsgd", "bandmf_adamw": "dpadamw", "bandmf_fiber": "fiber"}  # independent noise
 # Ablation variants of FIBER: extra constructor arguments (None: ω tied to κ).
 ABLATIONS = {
     "ema_filter": {"filter": "ema"},
@@ -154,7 +158,9 @@ def make_optimizer(name: str, config: dict, sigma: float, seed: int, extra: dict
         return tf_dp.DPAdamW(lr, noise_bias_correction=True, variance_floor=config["variance_floor"], **common)
     if name == "disk":
         return tf_dp.DiSK(lr, kappa=config["kappa"], gamma=config["gamma"], base="adamw", **common)
-    if name == "fiber":
+    if name in ("fiber", "bandmf_fiber"):
+        if name == "bandmf_fiber":
+            extra = dict(extra or {}, noise=tf_dp.noise.BandMF(FLAGS.bands))
         return tf_dp.FIBER(lr, kappa=config["kappa"], gamma=config["gamma"], omega=config["omega"],
                            variance_floor=config["variance_floor"], **{**common, **(extra or {})})
     raise ValueError(name)
@@ -550,6 +556,7 @@ CLAIM_PAIRS = [("fiber", "disk"), ("disk", "dpadamw"), ("fiber", "dpadamw"), ("d
                ("fiber", "dpsgd"),
                ("bandmf_sgd", "dpsgd"), ("bandmf_adamw", "dpadamw"), ("fiber", "bandmf_adamw"),
                ("bandmf_sgd@dpsgd", "dpsgd"), ("bandmf_adamw@dpadamw", "dpadamw"), ("fiber", "bandmf_adamw@dpadamw"),
+               ("bandmf_fiber@fiber", "fiber"), ("bandmf_fiber@fiber", "bandmf_sgd@dpsgd"),
                ("fiber", "ablation:ema_filter"), ("fiber", "ablation:coupled_gain"),
                ("fiber", "ablation:full_correction"), ("fiber", "ablation:stationary_correction")]
 
