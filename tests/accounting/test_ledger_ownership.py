@@ -86,3 +86,34 @@ def test_continue_ledger_of_is_refused_after_the_model_trained_and_layers_of_two
         b.continue_ledger_of(a)
     with pytest.raises(ValueError, match="different privacy ledgers"):
         tf_dp.DPModel(inputs, keras.layers.Add()([first(inputs), second(inputs)]))
+
+
+def test_a_file_of_another_fit_loaded_mid_fit_does_not_account_this_fits_steps_at_its_rate(tmp_path):
+    """A callback loads, mid-fit, a weights file saved by an earlier fit at another batch size
+    (q = 12/240): the ledger is rolled back to that file's phase, but the steps that follow are
+    still sampled by the running fit at q = 48/240. ε must be dp_accounting's composition of
+    what ran: 3 steps at q = 0.05 (the file's) then the 6 released after the load at q = 0.2
+    (before the fix they were counted at the file's q = 0.05)."""
+    n = 240
+    x = np.random.default_rng(0).normal(size=(n, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    path = str(tmp_path / "small_batches.weights.h5")
+    inputs = keras.Input((4,))
+    model = tf_dp.DPModel(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer=tf_dp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), delta=1e-5)
+    model.fit(x, y, batch_size=12, epochs=1, steps_per_epoch=3, verbose=0)
+    model.save_weights(path)
+
+    class LoadTheOldFile(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                self.model.load_weights(path)  # ledger 5 → 3, the phase of q = 0.05
+
+    model.fit(x, y, batch_size=48, epochs=1, steps_per_epoch=8, verbose=0, callbacks=[LoadTheOldFile()])
+    assert int(model.privacy_ledger.steps.numpy()) == 3 + 6
+    accountant = RdpAccountant([1 + k / 10.0 for k in range(1, 100)] + list(range(11, 64)) + [128, 256, 512])
+    step = lambda q: dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(float(np.float32(1.1))))  # noqa: E731
+    accountant.compose(dp_event.ComposedDpEvent([dp_event.SelfComposedDpEvent(step(12 / n), 3),
+                                                 dp_event.SelfComposedDpEvent(step(48 / n), 6)]))
+    assert model.get_epsilon(1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)

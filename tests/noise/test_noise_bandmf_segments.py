@@ -115,3 +115,58 @@ def test_a_resume_by_backup_and_restore_is_a_new_segment(tmp_path):
     accountant.compose(dp_event.ComposedDpEvent([segment, segment]))
     expected = accountant.get_epsilon(1e-5)
     assert resumed.get_epsilon(1e-5) >= expected * (1 - 1e-9)
+
+
+def test_a_rollback_by_load_weights_inside_fit_starts_a_new_segment(tmp_path, monkeypatch):
+    """A callback rolls the model back mid-fit (load_weights of a file saved 2 steps earlier,
+    the scenario of tests/noise/test_noise_key_resume.py): the key is replaced and the BandMF
+    buffer restarts, while the sampler runs on (its step s no longer equals the DP step t).
+    Hand replay of what the ledger counts: within every ledger segment each group's chances
+    must be ≤ ⌈T/b⌉ and ≥ b DP steps apart — the premise of PoissonSampled(q_b, G(σ))^⌈T/b⌉
+    (docs/algorithms.md §10.3) — and ε must be at least dp_accounting's event of the replay's
+    own per-segment chances. Before the fix the restored and continued steps were merged into
+    one segment of 8 steps (2 rounds) although group 1 had 3 chances (DP steps 1, 3, 7)."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    bands, n, batch = 4, 240, 12
+    path = str(tmp_path / "at_step_3.weights.h5")
+    released_at = {}  # Keras batch k (= sampler step k) → the DP step it was released at
+
+    class Rollback(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.before = int(self.model.privacy_ledger.steps.numpy())
+
+        def on_train_batch_end(self, batch, logs=None):
+            released_at[len(released_at)] = self.before
+            if len(released_at) == 3:
+                self.model.save_weights(path)
+            if len(released_at) == 5:
+                self.model.load_weights(path)  # ledger 5 → 3
+
+    x, y = _data(n)
+    model = _model(bands)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, batch_size=batch, steps_per_epoch=5, epochs=2, verbose=0, sampling_seed=2**40 + 5,
+                  callbacks=[Rollback()])
+    counted = {k: t for k, t in released_at.items() if not (3 <= t < 5 and k < 5)}  # steps 3, 4 rolled back
+    assert sorted(counted.values()) == list(range(8)) == list(range(int(model.privacy_ledger.steps.numpy())))
+    phases = model.privacy_ledger.phases()
+    starts = np.cumsum([0] + [p.steps for p in phases])
+    rounds = []
+    for segment in sorted({p.segment for p in phases}):
+        rows = [i for i, p in enumerate(phases) if p.segment == segment]
+        first, end = starts[rows[0]], starts[rows[-1] + 1]
+        chances = {g: sorted(t for k, t in counted.items() if first <= t < end and k % bands == g)
+                   for g in range(bands)}
+        most = max(len(c) for c in chances.values())
+        assert most <= -(-(end - first) // bands), (segment, chances)
+        assert all(np.all(np.diff(c) >= bands) for c in chances.values()), (segment, chances)
+        rounds.append(most)
+    sigma = min(p.noise_multiplier for p in phases)
+    step = dp_event.PoissonSampledDpEvent(bands * batch / n, dp_event.GaussianDpEvent(sigma))
+    orders = [1 + k / 10.0 for k in range(1, 100)] + list(range(11, 64)) + [128, 256, 512]  # algorithms.md A.3
+    accountant = rdp_privacy_accountant.RdpAccountant(orders)
+    accountant.compose(dp_event.ComposedDpEvent([dp_event.SelfComposedDpEvent(step, r) for r in rounds]))
+    assert model.get_epsilon(1e-5) >= accountant.get_epsilon(1e-5) * (1 - 1e-9)

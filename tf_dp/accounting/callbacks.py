@@ -24,7 +24,7 @@ class PrivacyReport(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._first_batch = True
-        self._ledger_at_begin = _ledger_state(self.model)
+        self._ledger_at_begin = ledger_state(self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model.nonfinite_examples.assign(0.0)
@@ -32,8 +32,10 @@ class PrivacyReport(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self._first_batch:  # after every on_train_begin (a restored ledger)
             self._first_batch = False
-            self.model.reopen_phase(ledger_replaced=_ledger_state(self.model) != self._ledger_at_begin)
+            self.model.reopen_phase(ledger_replaced=ledger_state(self.model) != self._ledger_at_begin)
             _check_adaptive_clip_split(self.model)
+        # A ledger replaced mid-fit by a callback (load_weights): before PrivacyBudget's limit.
+        self.model.reopen_phase_if_ledger_replaced()
 
 
     def on_epoch_end(self, epoch, logs=None):
@@ -60,7 +62,8 @@ def _check_adaptive_clip_split(model) -> None:
                                        expected_batch_size=float(phase.expected_batch_size))
 
 
-def _ledger_state(model) -> tuple:
+def ledger_state(model) -> tuple:
+    """(ledger object, its phase table, its step count): what a replaced ledger changes."""
     ledger = model.privacy_ledger
     return id(ledger), ledger.phase_table.numpy().tobytes(), int(ledger.steps.numpy())
 

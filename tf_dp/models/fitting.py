@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tf_dp import _checks
 from tf_dp.accounting import calibrate_noise_multiplier, events
-from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
+from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport, ledger_state
 from tf_dp.clipping.engine import ONE_VIEW, AugmentationViews
 from tf_dp.sampling.tfds_sources import source_for_fit as tfds_source_for_fit
 from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset, is_batched_dataset, num_rows,
@@ -356,6 +356,7 @@ class DPFitting:
                                        parameter, new_segment=new_segment)
         if new_segment and privatizer is not None:
             privatizer.reset(int(self.privacy_ledger.steps.numpy()))  # a new sampler: a fresh noise state
+        self._ledger_after_execution = None  # the phase is recorded: nothing to compare until a step ran
 
     def reopen_phase(self, ledger_replaced: bool = False):
         """Re-records the running phase before the first step (after a callback such as
@@ -373,6 +374,21 @@ class DPFitting:
             return
         new_segment = ledger_replaced and events.is_segmented(arguments[0])
         self._open_phase(*arguments, new_segment=new_segment)
+
+    def reopen_phase_if_ledger_replaced(self) -> None:
+        """Re-records the running phase when the ledger changed since the train function's
+        last execution other than by its own steps: a callback that loads another file mid-fit
+        (load_weights rolls the ledger back). The steps that follow are the running fit's (its
+        q, N, L), and for a segmented scheme (BandMF) they are a new segment: the key and the
+        noise buffer restart while the sampler runs on (docs/algorithms.md §10.3, A.2)."""
+        seen = getattr(self, "_ledger_after_execution", None)
+        if seen is not None and seen != ledger_state(self):
+            self.reopen_phase(ledger_replaced=True)
+            self._ledger_after_execution = ledger_state(self)
+
+    def ledger_after_execution(self) -> None:
+        """Notes the ledger as the train function left it (``reopen_phase_if_ledger_replaced``)."""
+        self._ledger_after_execution = ledger_state(self)
 
     def _privacy_callbacks(self, scheme, planned_steps):
         """PrivacyReport, and with ``compile(target_epsilon=...)`` the calibrated σ and a

@@ -89,9 +89,11 @@ class DPTrainStep:
 
         def train_function_then_check_the_ledger(*args, **kwargs):
             ledger, optimizer = self._ledger_of_plan(), self.optimizer
+            self.reopen_phase_if_ledger_replaced()  # a callback loaded another file since the last execution
             optimizer.guard_noise_counter(int(ledger.steps.numpy()), ledger)
             logs = function(*args, **kwargs)
             optimizer.record_noise_counter(int(ledger.steps.numpy()))
+            self.ledger_after_execution()
             refused = logs.pop(REFUSED_LOG, None) if isinstance(logs, dict) else None
             if refused is None or np.any(np.asarray(refused) > 0):  # None: a train_step of its own
                 ledger.raise_if_refused()
