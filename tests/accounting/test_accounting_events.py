@@ -46,6 +46,9 @@ HAND_BUILT = {
     "poisson": lambda p: dp_event.SelfComposedDpEvent(
         dp_event.PoissonSampledDpEvent(p.sampling_rate, dp_event.GaussianDpEvent(p.noise_multiplier)), p.steps),
     "batches": lambda p: dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(p.noise_multiplier), p.steps),
+    # User-level (§11): the subsampled Gaussian over users, q_u = L_u/N_u.
+    "user_poisson": lambda p: dp_event.SelfComposedDpEvent(
+        dp_event.PoissonSampledDpEvent(p.sampling_rate, dp_event.GaussianDpEvent(p.noise_multiplier)), p.steps),
     "raco_poisson": lambda p: dp_event.SelfComposedDpEvent(
         raco.GaussianLaplaceDpEvent(p.sampling_rate, p.noise_multiplier, p.parameter), p.steps),
     # BandMF (docs/algorithms.md §10): q_b = b·L/N, one participation per b steps: ⌈T/b⌉ rounds.
@@ -56,6 +59,7 @@ HAND_BUILT = {
 SAMPLE_PHASES = {
     "poisson": Phase("poisson", 0.01, 1.1, 10000, 100.0, 300),
     "batches": Phase("batches", 1.0, 4.0, 0, 32.0, 7),
+    "user_poisson": Phase("user_poisson", 0.05, 1.3, 1090, 54.5, 40),
     "raco_poisson": Phase("raco_poisson", 0.125, 4.0, 32561, 4096.0, 12, parameter=2.0),
     "cyclic_poisson": Phase("cyclic_poisson", 0.04, 1.1, 10000, 100.0, 30, parameter=4.0),
 }

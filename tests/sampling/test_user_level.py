@@ -250,7 +250,8 @@ def test_epsilon_is_per_user_from_dp_accounting_with_n_the_number_of_users():
     model.fit(x, y, batch_size=users, user_ids=ids, examples_per_user=2, epochs=epochs, verbose=0)
     steps = epochs * int(np.ceil(num_users / users))  # an epoch is ⌈N_u / L_u⌉ steps
     [phase] = model.privacy_ledger.phases()
-    assert (phase.scheme, phase.num_examples, phase.steps) == ("poisson", num_users, steps)
+    assert (phase.scheme, phase.num_examples, phase.steps) == ("user_poisson", num_users, steps)
+    assert model.privacy_report()["unit"] == "user"
     accountant = rdp_privacy_accountant.RdpAccountant(RDP_ORDERS)
     accountant.compose(dp_event.PoissonSampledDpEvent(users / num_users, dp_event.GaussianDpEvent(sigma)), steps)
     want = accountant.get_epsilon(1e-5)
@@ -338,3 +339,30 @@ def test_shakespeare_windows_are_one_roles_next_characters_split_by_role():
     assert not set(data.users_train) & set(data.users_test)
     assert {u.split(":")[0] for u in data.users_train} == {"macbeth", "tempest"}
     assert "macbeth:MACBETH" in set(data.users_train) | set(data.users_test)
+
+
+def test_a_ledger_mixing_user_and_example_level_steps_claims_epsilon_per_example_only():
+    """ε per user needs every step user-level: an example-level step protects a user only by
+    group privacy over the user's examples. A fit that mixes the units warns, and the report's
+    unit falls back to "example"; the ε composed is still dp_accounting's of both phases."""
+    rng = np.random.default_rng(3)
+    n, num_users, users, sigma = 96, 24, 6, 1.0
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.integers(0, 3, n)
+    ids = rng.permutation(np.arange(n) % num_users)
+    model = dense_model(sigma=sigma, learning_rate=0.1)
+    model.compile(optimizer=tf_dp.DPSGD(0.1, l2_norm_clip=CLIP, noise_multiplier=sigma), loss=LOSS, delta=1e-5)
+    model.fit(x, y, batch_size=users, user_ids=ids, examples_per_user=2, epochs=1, verbose=0)
+    assert model.privacy_report()["unit"] == "user"
+    with pytest.warns(UserWarning, match="holds per EXAMPLE only"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    report = model.privacy_report()
+    assert (report["unit"], report["adjacency"]) == ("example", "add/remove one example")
+    accountant = rdp_privacy_accountant.RdpAccountant(RDP_ORDERS)
+    accountant.compose(dp_event.PoissonSampledDpEvent(users / num_users, dp_event.GaussianDpEvent(sigma)),
+                       int(np.ceil(num_users / users)))
+    accountant.compose(dp_event.PoissonSampledDpEvent(8 / n, dp_event.GaussianDpEvent(sigma)), int(np.ceil(n / 8)))
+    np.testing.assert_allclose(model.get_epsilon(), accountant.get_epsilon(1e-5), rtol=1e-3)
+    with pytest.warns(UserWarning, match="user-level but the privacy ledger already holds example-level"):
+        model.fit(x, y, batch_size=users, user_ids=ids, examples_per_user=2, epochs=1, verbose=0)
+    assert model.privacy_report()["unit"] == "example"

@@ -209,10 +209,10 @@ def _no_step_fits_message(model, max_epsilon: float) -> str:
     after_one = ledger.epsilon_if_continued(1, sigma, delta, settings["accountant"])
     setting = (f"noise_multiplier σ = {sigma:g}, sampling rate q = {phase.sampling_rate:.4g} "
                f"(expected batch {phase.expected_batch_size:g} of N = {phase.num_examples})"
-               if phase.scheme == "poisson" else
+               if phase.scheme in ("poisson", "user_poisson") else
                f"noise_multiplier σ = {sigma:g}, fixed batches without sampling amplification")
     change = ("Raise noise_multiplier, or lower the sampling rate q = batch_size / N (a smaller batch_size)."
-              if phase.scheme == "poisson" else
+              if phase.scheme in ("poisson", "user_poisson") else
               "Raise noise_multiplier, or pass arrays (or an unbatched dataset) with batch_size=... so that fit "
               "Poisson-samples the batches (amplification by sampling).")
     if sigma == 0:

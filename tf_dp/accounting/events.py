@@ -5,8 +5,9 @@ Two registries make accounting a set of plug-ins:
 * ``register_event(scheme)``: how ONE ledger phase of a sampling scheme becomes a
   ``dp_event.DpEvent``. The core registers
 
-      poisson:  SelfComposed(PoissonSampled(q, Gaussian(σ)), T)
-      batches:  SelfComposed(Gaussian(σ), T)   (no amplification by sampling, §7.1)
+      poisson:       SelfComposed(PoissonSampled(q, Gaussian(σ)), T)
+      user_poisson:  the same event over users, q = L_u/N_u (user-level DP, §11)
+      batches:       SelfComposed(Gaussian(σ), T)   (no amplification by sampling, §7.1)
 
   and reserves ledger codes for "cyclic_poisson" (BandMF, §10) and "raco_poisson" (RaCO-DP,
   §5), whose packages register their events themselves.
@@ -38,7 +39,7 @@ DEFAULT_ACCOUNTANT = "rdp"
 
 # Ledger code of every scheme name (codes are written into saved models: never reuse one).
 # Plug-ins with a scheme not reserved here pass ``code=`` to ``register_event``.
-SCHEME_CODES = {"poisson": 1, "batches": 2, "cyclic_poisson": 3, "raco_poisson": 4}
+SCHEME_CODES = {"poisson": 1, "batches": 2, "cyclic_poisson": 3, "raco_poisson": 4, "user_poisson": 5}
 # Ledgers written before the scheme table held a parameterised scheme as a "poisson" row with a
 # nonzero parameter (RaCO-DP's Laplace scale, §5): the scheme such a row means.
 LEGACY_PARAMETERISED_POISSON = "raco_poisson"
@@ -46,6 +47,7 @@ LEGACY_PARAMETERISED_POISSON = "raco_poisson"
 EventBuilder = Callable[["Phase"], dp_event.DpEvent]
 _EVENTS: dict[str, EventBuilder] = {}
 _WHOLE_SEGMENTS: set[str] = set()
+_UNITS: dict[str, str] = {}  # scheme -> the unit one phase protects ("example" unless registered otherwise)
 _ACCOUNTANTS: dict[str, Callable[[dp_event.DpEvent, float], float]] = {}
 
 
@@ -88,7 +90,7 @@ class Phase:
 # ----------------------------------------------------------------------------------- schemes
 
 
-def register_event(scheme: str, *, code: int | None = None, whole_segments: bool = False):
+def register_event(scheme: str, *, code: int | None = None, whole_segments: bool = False, unit: str = "example"):
     """Decorator: ``fn(phase) -> DpEvent`` is how phases of ``scheme`` are accounted.
 
     Args:
@@ -97,12 +99,16 @@ def register_event(scheme: str, *, code: int | None = None, whole_segments: bool
       whole_segments: account each segment once — its consecutive phases merged into one
         phase of their total steps at the SMALLEST σ among them — instead of phase by phase
         (for schemes whose steps are not independent, e.g. correlated noise within a run).
+      unit: what one phase of the scheme protects, "example" or "user" (all of one user's
+        examples, §11); ``privacy_unit`` reads it.
 
     Returns:
       The decorator (it returns ``fn`` unchanged).
     """
     if not isinstance(scheme, str) or not scheme:
         raise ValueError(f"`scheme` must be a non-empty string, got {scheme!r}.")
+    if unit not in ("example", "user"):
+        raise ValueError(f"`unit` must be 'example' or 'user', got {unit!r}.")
     _reserve_code(scheme, code)
 
     def decorator(fn: EventBuilder) -> EventBuilder:
@@ -111,6 +117,7 @@ def register_event(scheme: str, *, code: int | None = None, whole_segments: bool
         _EVENTS[scheme] = fn
         if whole_segments:
             _WHOLE_SEGMENTS.add(scheme)
+        _UNITS[scheme] = unit
         return fn
 
     return decorator
@@ -126,6 +133,25 @@ def _reserve_code(scheme: str, code: int | None) -> None:
     if SCHEME_CODES.get(scheme, code) != code or (scheme not in SCHEME_CODES and code in SCHEME_CODES.values()):
         raise ValueError(f"Ledger code {code} for scheme {scheme!r} clashes with {SCHEME_CODES}; pick an unused code.")
     SCHEME_CODES[scheme] = code
+
+
+def privacy_unit(phases: Sequence["Phase"]) -> str:
+    """What ε of these phases protects: "user" when every phase is user-level (§11), else
+    "example". A user-level phase also protects each example (an example is part of one user),
+    but an example-level phase protects a user only by group privacy over all of the user's
+    examples, so a mixed ledger's ε holds per example only."""
+    units = {scheme_unit(phase.scheme) for phase in phases}
+    return "user" if units == {"user"} else "example"
+
+
+def scheme_unit(scheme: str) -> str:
+    """The unit one phase of ``scheme`` protects ("example" unless registered otherwise)."""
+    return _UNITS.get(scheme, "example")
+
+
+def adjacency(unit: str) -> str:
+    """The neighbouring-data-set relation of ``unit`` in words (``privacy_report``)."""
+    return "add/remove one user (all of the user's examples)" if unit == "user" else "add/remove one example"
 
 
 def registered_schemes() -> tuple[str, ...]:
@@ -173,6 +199,13 @@ def _poisson_event(phase: Phase) -> dp_event.DpEvent:
     """T × PoissonSampled(q, Gaussian(σ)) (docs/algorithms.md §1)."""
     step = dp_event.PoissonSampledDpEvent(phase.sampling_rate, dp_event.GaussianDpEvent(phase.noise_multiplier))
     return dp_event.SelfComposedDpEvent(step, phase.steps)
+
+
+@register_event("user_poisson", unit="user")
+def _user_poisson_event(phase: Phase) -> dp_event.DpEvent:
+    """T × PoissonSampled(q_u, Gaussian(σ)) over users, q_u = L_u/N_u: one clip per user
+    bounds every user's contribution to the sum by C (docs/algorithms.md §11)."""
+    return _poisson_event(phase)
 
 
 @register_event("batches")

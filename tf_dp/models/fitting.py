@@ -155,6 +155,7 @@ class DPFitting:
                                 **sampling_arguments)
         plan = plan.replace(views=self._views(augment, augmentation_multiplicity, scheme, plan))
         self._warn_about_delta(scheme.num_units)
+        self._warn_if_the_unit_changes(scheme.ledger_scheme)
         steps = steps_per_epoch or math.ceil(scheme.num_units / scheme.expected_batch_size)
         # Privacy callbacks go first so that user callbacks (TensorBoard, CSVLogger) see ε in the logs.
         callbacks = self._privacy_callbacks(scheme, steps * (epochs - initial_epoch)) + callbacks
@@ -191,6 +192,19 @@ class DPFitting:
         if self._dp["delta"] >= 1 / num_units:
             warnings.warn(f"tf_dp: delta = {self._dp['delta']:g} >= 1/N = {1 / num_units:.3g}: a mechanism that "
                           "publishes one random example outright meets such a delta. Use delta <= 1/N.", stacklevel=3)
+
+    def _warn_if_the_unit_changes(self, ledger_scheme: str) -> None:
+        """A fit whose unit (example or user, docs/algorithms.md §11) differs from the steps the
+        ledger already holds: ε composes both, and then holds per example only."""
+        taken = [phase for phase in self.privacy_ledger.phases() if phase.steps > 0]
+        before, now = events.privacy_unit(taken) if taken else None, events.scheme_unit(ledger_scheme)
+        if before is None or before == now:
+            return
+        warnings.warn(f"tf_dp: this fit is {now}-level but the privacy ledger already holds {before}-level steps "
+                      "(or a mix): get_epsilon() composes both and holds per EXAMPLE only — an example-level step "
+                      "protects a user only by group privacy over all of the user's examples. For ε per user, "
+                      "train every step of the model user-level (a fresh model for a user-level run); "
+                      "privacy_report()['unit'] says which unit ε protects.", stacklevel=3)
 
     def _views(self, augment, multiplicity, scheme, plan) -> AugmentationViews:
         """The units' views: augmentation multiplicity, or a scheme's m examples per unit

@@ -16,7 +16,7 @@ from typing import Optional
 import keras
 
 from tf_dp import _checks
-from tf_dp.accounting import PrivacyLedger
+from tf_dp.accounting import PrivacyLedger, events
 
 PRIVACY_FILE = "privacy.json"
 _COMPILE_SETTINGS = ("delta", "accountant", "target_epsilon", "private_logs")
@@ -48,7 +48,8 @@ class PrivacyReporting:
             "epsilon": self.get_epsilon(delta), "delta": delta, "accountant": self._dp["accountant"],
             "steps": int(self.privacy_ledger.steps.numpy()),
             "phases": [dataclasses.asdict(p) for p in phases],
-            "adjacency": "add/remove one example",
+            "unit": events.privacy_unit(phases),
+            "adjacency": events.adjacency(events.privacy_unit(phases)),
             "tf_dp_version": _version(),
         }
 

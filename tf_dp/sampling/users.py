@@ -174,7 +174,8 @@ def users_per_step(num_users: int, batch_size) -> int:
 class UserPoissonSampling(SamplingScheme):
     """Poisson sampling of users (docs/algorithms.md §11): N = N_u users, L = L_u users per
     step, q_u = L_u/N_u; each sampled user contributes m examples, averaged before the one
-    clip per user. The ledger records a ``"poisson"`` phase over users.
+    clip per user. The ledger records a ``"user_poisson"`` phase: DP-SGD's event over users,
+    whose ε is per user while every phase of the ledger is user-level.
 
     Attributes:
       user_index: the user (0..N_u−1) of each training example.
@@ -201,7 +202,7 @@ class UserPoissonSampling(SamplingScheme):
 
     @property
     def ledger_scheme(self) -> str:
-        return "poisson"  # DP-SGD's event over users: PoissonSampled(q_u, Gaussian(σ))^T
+        return "user_poisson"  # DP-SGD's event over users: PoissonSampled(q_u, Gaussian(σ))^T
 
     @property
     def views(self) -> int:
