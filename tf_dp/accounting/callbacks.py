@@ -207,12 +207,13 @@ def _no_step_fits_message(model, max_epsilon: float) -> str:
                 "no further step is allowed.")
     phase = ledger.current_phase()
     after_one = ledger.epsilon_if_continued(1, sigma, delta, settings["accountant"])
+    sampled = phase.scheme != "batches"  # every other scheme samples at a rate q (as _planned_phase)
     setting = (f"noise_multiplier σ = {sigma:g}, sampling rate q = {phase.sampling_rate:.4g} "
                f"(expected batch {phase.expected_batch_size:g} of N = {phase.num_examples})"
-               if phase.scheme in ("poisson", "user_poisson") else
+               if sampled else
                f"noise_multiplier σ = {sigma:g}, fixed batches without sampling amplification")
     change = ("Raise noise_multiplier, or lower the sampling rate q = batch_size / N (a smaller batch_size)."
-              if phase.scheme in ("poisson", "user_poisson") else
+              if sampled else
               "Raise noise_multiplier, or pass arrays (or an unbatched dataset) with batch_size=... so that fit "
               "Poisson-samples the batches (amplification by sampling).")
     if sigma == 0:

@@ -44,12 +44,13 @@ class PrivacyReporting:
         """The privacy ledger as a JSON-ready dict (what ``tf-dp report`` prints)."""
         delta = self._dp["delta"] if delta is None else _checks.delta(delta)
         phases = self.privacy_ledger.phases()
+        unit = events.privacy_unit(phases)
         return {
             "epsilon": self.get_epsilon(delta), "delta": delta, "accountant": self._dp["accountant"],
             "steps": int(self.privacy_ledger.steps.numpy()),
             "phases": [dataclasses.asdict(p) for p in phases],
-            "unit": events.privacy_unit(phases),
-            "adjacency": events.adjacency(events.privacy_unit(phases)),
+            "unit": unit,
+            "adjacency": events.adjacency(unit),
             "tf_dp_version": _version(),
         }
 
