@@ -101,7 +101,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
       seed: key of the noise stream (reproducible). ``None`` draws a fresh one from the OS.
         The key is a secret kept in memory only: never in a saved model, weights file,
         checkpoint or ``get_config``. A seed keys only a model whose ledger has taken no DP
-        step: a resumed model trains with ``seed=None`` (see ``set_seed``).
+        step: a resumed model trains with ``seed=None`` (see ``set_seed``). One seed keys one
+        released model: two models trained with the same seed (a sweep, another data set)
+        draw the same noise at the same steps, so their difference cancels it and the two
+        releases together are NOT bounded by composing their ε (docs/algorithms.md B.3).
       secure_mode: a fresh key from the OS CSPRNG at every step (and Poisson batches from
         OS entropy): the production setting; no seed, no XLA.
       noise: the privatizer (``tf_dp.noise.Privatizer``, a registered name, or None for
