@@ -185,7 +185,8 @@ def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_siz
                     chunk_multiple: int = 1, replica_slots: Optional[range] = None,
                     first_step: Optional[Callable[[], int]] = None, source: Optional[ExampleSource] = None,
                     augment: Optional[Callable] = None, views: int = 1,
-                    augment_seed: Optional[int] = None, scheme=None) -> tf.data.Dataset:
+                    augment_seed: Optional[int] = None, scheme=None,
+                    seed_generation: Optional[Callable[[], int]] = None) -> tf.data.Dataset:
     """Endless dataset of Poisson batches {x, y, mask: [chunks, P, ...], expected_batch_size:
     [chunks] (L repeated)} plus any per-example ``extras`` arrays (e.g. RaCO-DP's group ids),
     gathered alike — from arrays ``x, y`` or from a random-access ``source`` (then x, y are
@@ -197,7 +198,9 @@ def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_siz
 
     ``first_step()`` is read each time an iterator starts (DPModel passes its count of
     steps taken): the stream then serves the batch of step t at step t however often Keras
-    re-creates or prefetches iterators, identically on every worker."""
+    re-creates or prefetches iterators, identically on every worker. ``seed_generation()``,
+    read at the same time, is the generation of ``seed`` the stream draws from (re-keyed after a
+    rollback, tf_dp.sampling.seed_guard; default 0, ``seed`` itself)."""
     if source is None:
         source = ArraySource(x, y)
     if extras:
@@ -206,7 +209,7 @@ def poisson_dataset(x, y, num_examples: int, batch_size: int, physical_batch_siz
         raise ValueError(f"num_examples = {num_examples} but the source holds {len(source)} examples.")
     return poisson_loader(source, batch_size, physical_batch_size, seed, secure=secure, chunk_multiple=chunk_multiple,
                           replica_slots=replica_slots, first_step=first_step, augment=augment, views=views,
-                          augment_seed=augment_seed, scheme=scheme)
+                          augment_seed=augment_seed, scheme=scheme, seed_generation=seed_generation)
 
 
 def distributed_poisson_dataset(strategy: tf.distribute.Strategy, x, y, num_examples: int, batch_size: int,
@@ -214,11 +217,13 @@ def distributed_poisson_dataset(strategy: tf.distribute.Strategy, x, y, num_exam
                                 extras: Optional[dict] = None, secure: bool = False,
                                 first_step: Optional[Callable[[], int]] = None,
                                 source: Optional[ExampleSource] = None, augment: Optional[Callable] = None,
-                                views: int = 1, augment_seed: Optional[int] = None, scheme=None):
+                                views: int = 1, augment_seed: Optional[int] = None, scheme=None,
+                                seed_generation: Optional[Callable[[], int]] = None):
     """One global Poisson batch per step, split by chunks across ALL replicas of ``strategy``
-    (every worker of a multi-worker strategy draws the same batch from the shared ``seed``
-    and reads only its replicas' slices of it from the source): no example is read twice,
-    none is dropped, and no worker holds more than its share of the batch."""
+    (every worker of a multi-worker strategy draws the same batch from the shared ``seed``, of
+    the same ``seed_generation()``, and reads only its replicas' slices of it from the source):
+    no example is read twice, none is dropped, and no worker holds more than its share of the
+    batch."""
     replicas = strategy.num_replicas_in_sync
 
     def pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -227,7 +232,7 @@ def distributed_poisson_dataset(strategy: tf.distribute.Strategy, x, y, num_exam
         return poisson_dataset(x, y, num_examples, batch_size, physical_batch_size, seed, extras, secure,
                                chunk_multiple=replicas, replica_slots=range(first, first + local),
                                first_step=first_step, source=source, augment=augment, views=views,
-                               augment_seed=augment_seed, scheme=scheme)
+                               augment_seed=augment_seed, scheme=scheme, seed_generation=seed_generation)
 
     return strategy.distribute_datasets_from_function(pipeline)
 

@@ -30,6 +30,7 @@ from tf_dp.models.losses import without_unused_targets
 from tf_dp.models.row_independence import DONOR_SEARCH, GUARD_ROWS, check_rows_independent
 from tf_dp.models.step import DPTrainStep, sample_weight_extras
 from tf_dp.optimizers import DPOptimizer
+from tf_dp.sampling import seed_guard
 from tf_dp.sampling.loader import augment_examples
 from tf_dp.sampling.schemes import scheme_for_fit
 from tf_dp.sampling.sources import MARKER, ArraySource, SourceError, example_source
@@ -86,7 +87,10 @@ class DPFitting:
         record i must be example i: records that are batches of the model's input are
         refused, and the model must be built (or have an ``Input``) for its shape to tell.
         ``sampling_seed`` makes the batches reproducible; like the noise seed it is a secret
-        (amplification by sampling assumes the batches are unknown) and is never saved.
+        (amplification by sampling assumes the batches are unknown) and is never saved. After a
+        rollback of the ledger (load_weights of an earlier file, BackupAndRestore) the seed is
+        re-keyed, so no batch is drawn twice; on a resumed model it warns: resume with
+        ``sampling_seed=None`` (docs/algorithms.md B.3).
 
         ``augment(x, seed) -> x'``: per-example augmentation (TensorFlow ops on one example,
         stateless randomness from ``seed``), run in the input pipeline.
@@ -163,7 +167,7 @@ class DPFitting:
                          parameter=scheme.ledger_parameter, new_segment=scheme.new_segment)
         if self.optimizer.secure_mode and sampling_seed is not None:
             raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
-        steps_taken = StepsTaken(self.privacy_ledger)
+        steps_taken = StepsTaken(self.privacy_ledger, sampling_seed)
         callbacks.append(steps_taken)  # last: its on_train_begin sees a ledger BackupAndRestore restored
         with self.use_plan(plan), reading_errors_named(source):
             dataset = self._poisson_stream(source, scheme, physical_batch_size, sampling_seed, steps_taken, augment,
@@ -306,7 +310,7 @@ class DPFitting:
         extras = {**sample_weight_extras(self.step_plan.sample_weights), **(self.step_plan.per_example_extras or {})}
         augment_views = views.count if views.view_axis and augment is not None else 1
         loading = dict(source=source, augment=augment, views=augment_views, scheme=scheme,
-                       first_step=steps_taken.read)
+                       first_step=steps_taken.read, seed_generation=steps_taken.seed_generation)
         size = scheme.expected_batch_size
         if strategy.num_replicas_in_sync == 1:
             return poisson_dataset(None, None, len(source), size, physical_batch_size, sampling_seed, extras,
@@ -495,19 +499,30 @@ class StepsTaken(keras.callbacks.Callback):
     read when an iterator starts. Read from the ledger once at the start of training (after
     BackupAndRestore may have restored it), then counted in Python: reading the variable
     inside a step would race with the step's own increment (tf.data starts the generator
-    inside the step's graph), and reading it after every batch would stall the pipeline."""
+    inside the step's graph), and reading it after every batch would stall the pipeline.
 
-    def __init__(self, ledger):
+    At the same point it asks the sampling-seed guard which generation of ``sampling_seed``
+    the stream draws from (re-keyed after a rollback, docs/algorithms.md B.3), and tells the
+    guard after every batch which steps the seed has drawn (tf_dp.sampling.seed_guard)."""
+
+    def __init__(self, ledger, sampling_seed: Optional[int] = None):
         super().__init__()
         self._ledger = ledger
         self._value = int(ledger.steps.numpy())
         self._last_batch = -1
+        self._sampling_seed = sampling_seed
+        self._generation = 0
 
     def read(self) -> int:
         return self._value
 
+    def seed_generation(self) -> int:
+        """The generation of the sampling seed this fit's stream draws from (0: the seed itself)."""
+        return self._generation
+
     def on_train_begin(self, logs=None):
         self._value = int(self._ledger.steps.numpy())
+        self._generation = seed_guard.stream_generation(self._ledger, self._sampling_seed, self._value)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._last_batch = -1
@@ -516,6 +531,7 @@ class StepsTaken(keras.callbacks.Callback):
         # ``batch`` is the last step of the execution (several with steps_per_execution > 1).
         self._value += batch - self._last_batch
         self._last_batch = batch
+        seed_guard.record_drawn(self._ledger, self._sampling_seed, self._value)
 
 
 def _training_rows(n: int, fraction) -> int:

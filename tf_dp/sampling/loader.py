@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.sampling.poisson import PoissonSampler
+from tf_dp.sampling.seed_guard import generation_seed
 from tf_dp.sampling.sources import ExampleSource
 
 AUGMENT_SALT = 0x5EED_A061
@@ -37,7 +38,8 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
                    seed: Optional[int] = None, secure: bool = False, chunk_multiple: int = 1,
                    replica_slots: Optional[range] = None, first_step: Optional[Callable[[], int]] = None,
                    augment: Optional[Callable] = None, views: int = 1,
-                   augment_seed: Optional[int] = None, scheme=None) -> tf.data.Dataset:
+                   augment_seed: Optional[int] = None, scheme=None,
+                   seed_generation: Optional[Callable[[], int]] = None) -> tf.data.Dataset:
     """Endless dataset of Poisson batches of ``source`` (see the module docstring).
 
     Under tf.distribute the chunk count is padded (with empty chunks) to a multiple of
@@ -54,12 +56,19 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
     A user-level sampler (tf_dp.sampling.users, docs/algorithms.md §11) yields indices
     [chunks, P, m]: x, y and every extra then get the user's m examples on axis 2,
     [chunks, P, m, ...] (each example keeps its own label and weight); the mask stays per
-    user, [chunks, P]."""
-    if scheme is None:
-        sampler = PoissonSampler(len(source), batch_size, physical_batch_size, seed, secure=secure,
-                                 chunk_multiple=chunk_multiple)
-    else:
-        sampler = scheme.sampler(physical_batch_size, seed, secure, chunk_multiple)
+    user, [chunks, P].
+
+    ``seed_generation()`` (read with ``first_step()`` when an iterator starts; default 0) is the
+    generation of ``seed`` to draw from: generation g > 0 samples with
+    ``tf_dp.sampling.seed_guard.generation_seed(seed, g)``, after a rollback of the ledger
+    (docs/algorithms.md B.3). Augmentation keeps ``augment_seed``: its views need no secrecy."""
+    def new_sampler(sampler_seed, physical_size):
+        if scheme is None:
+            return PoissonSampler(len(source), batch_size, physical_size, sampler_seed, secure=secure,
+                                  chunk_multiple=chunk_multiple)
+        return scheme.sampler(physical_size, sampler_seed, secure, chunk_multiple)
+
+    sampler, sampler_at_start = _samplers_by_generation(new_sampler, seed, physical_batch_size, seed_generation)
     physical = sampler.physical_batch_size
     expected = np.float32(batch_size)
     unit = index_unit_shape(sampler)
@@ -68,7 +77,8 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
                          "examples): augment inside the model (random layers) instead.")
 
     def index_stream():
-        for step, indices, mask in sampler.numbered_stream(None if first_step is None else first_step()):
+        stream_sampler = sampler_at_start()
+        for step, indices, mask in stream_sampler.numbered_stream(None if first_step is None else first_step()):
             if replica_slots is None:
                 yield step, indices, mask
             else:
@@ -98,6 +108,21 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
         elements = elements.map(lambda step, indices, element: (step, indices, views_of(step, indices, element)),
                                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return elements.map(lambda step, indices, element: element).prefetch(2)
+
+
+def _samplers_by_generation(new_sampler, seed, physical_batch_size, seed_generation):
+    """(the sampler of ``seed``, a function returning the sampler of generation
+    ``seed_generation()`` of the seed, built once per generation with the same physical size).
+    A None seed (OS entropy) keeps its one sampler: only a user seed is re-keyed (§B.3)."""
+    samplers = {0: new_sampler(seed, physical_batch_size)}
+
+    def at_start():
+        generation = 0 if seed_generation is None or seed is None else int(seed_generation())
+        if generation not in samplers:
+            samplers[generation] = new_sampler(generation_seed(seed, generation), samplers[0].physical_batch_size)
+        return samplers[generation]
+
+    return samplers[0], at_start
 
 
 def index_unit_shape(sampler) -> tuple:
