@@ -3,7 +3,7 @@
 # switched the other way (TensorFlow leaves it off on AMD, AVX2-only Intel, ARM and macOS CPUs,
 # where some kernels, e.g. a grouped convolution's filter gradient, do not exist).
 #
-#   bash scripts/test.sh           the full suite (CI; 12.5–18.6 min for 1,164 tests + ~2 min oneDNN rerun on 2 idle cores, 2026-12-02)
+#   bash scripts/test.sh           the full suite (CI; 12.5–13.7 min for 1,175 tests + ~1–2 min oneDNN rerun on 2 idle cores here, 2026-12-02; CI's machine took 27.7 min)
 #   bash scripts/test.sh --fast    the fast tier for development (tests not marked `slow`; a few minutes)
 # Further arguments go to pytest, e.g. bash scripts/test.sh --fast -k ledger
 set -euo pipefail
