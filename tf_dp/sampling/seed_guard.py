@@ -54,10 +54,7 @@ def stream_generation(ledger, seed: Optional[int], first_step: int) -> int:
     """
     if seed is None:
         return 0
-    records = _DRAWN.setdefault(ledger, {})
-    record = records.get(int(seed))
-    if record is None:
-        record = records[int(seed)] = _SeedRecord(0, 0)
+    record = _DRAWN.setdefault(ledger, {}).setdefault(int(seed), _SeedRecord(0, 0))
     if first_step < record.fresh_from_step:
         _warn_rollback(first_step, record.fresh_from_step, record.generation + 1)
         record.generation += 1
