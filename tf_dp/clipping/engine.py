@@ -150,12 +150,14 @@ def traced(function):
     """``function(model, loss, x, y, mask, clip, points, **options)`` run as a graph when
     called eagerly: the taps decide which tensors carry the example axis from the traced
     graph (example_axis.py), which eager tensors lack. One tf.function per model, loss and
-    static part of the points; tensors (the points' weights included) are its arguments."""
+    static part of the points and trainable-variable set (a layer frozen or unfrozen since the
+    last call gets a graph of its own); tensors (the points' weights included) are its arguments."""
     def run(model, per_example_loss, x, y, mask, l2_norm_clip, points, **options):
         if not tf.executing_eagerly():
             return function(model, per_example_loss, x, y, mask, l2_norm_clip, points, **options)
         layout = tuple((p.coefficient, p.weights is None, p.view, p.targets_view) for p in points)
-        key = (per_example_loss, layout, tuple(sorted(options.items())))
+        trainable = tuple(id(v) for v in model.trainable_variables)  # alive as long as the model is
+        key = (per_example_loss, layout, tuple(sorted(options.items())), trainable)
         graphs = model.__dict__.get("_tf_dp_traced_steps")
         if graphs is None:  # untracked by Keras (not a layer attribute), collected with the model
             graphs = {}
