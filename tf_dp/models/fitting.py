@@ -506,6 +506,7 @@ class StepsTaken(keras.callbacks.Callback):
     guard after every batch which steps the seed has drawn (tf_dp.sampling.seed_guard)."""
 
     def __init__(self, ledger, sampling_seed: Optional[int] = None):
+        seed_guard.check_sampling_seed(sampling_seed)  # before the stream reads it
         super().__init__()
         self._ledger = ledger
         self._value = int(ledger.steps.numpy())

@@ -19,13 +19,17 @@ from tf_dp.noise import NoiseKey, secure_key
 
 
 def check_seed(seed, secure_mode: bool, stacklevel: int = 5) -> None:
-    """Refuses a non-int seed and a seed in secure mode; warns on a small (guessable) seed."""
+    """Refuses a non-int seed and a seed in secure mode; warns on a small (guessable) seed.
+
+    No message names the seed (nor its repr): it keys the noise, and a log, CI output or
+    notebook that printed it would let anyone subtract the noise from released weights."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-        raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
+        raise TypeError(f"`seed` must be an int or None, got a {type(seed).__name__} (value not shown: a seed "
+                        "is a secret).")
     if seed is not None and abs(int(seed)) < 2**32:
         warnings.warn(
-            f"tf_dp: seed={seed} determines the noise: anyone who knows or guesses it (small seeds are easy to "
-            "guess) can subtract the noise from released weights. Use seed=None (a fresh key from the OS) for a "
+            "tf_dp: the `seed` given determines the noise and is small (below 2**32): anyone who knows or guesses "
+            "it can subtract the noise from released weights. Use seed=None (a fresh key from the OS) for a "
             "model you release, or a secret 64-bit seed.", UserWarning, stacklevel=stacklevel)
     if secure_mode and seed is not None:
         raise ValueError("`secure_mode=True` draws every step's noise key from the OS CSPRNG; it accepts no "
@@ -62,7 +66,7 @@ class NoiseKeyGuard:
                              "without it.")
         if allow_resume:
             warnings.warn(
-                f"tf_dp: set_seed({seed}, allow_resume=True) lets this seed key a resumed model. Resuming one file "
+                "tf_dp: set_seed(seed, allow_resume=True) lets this seed key a resumed model. Resuming one file "
                 "twice with it draws the same noise at the same steps, and the two releases cancel it: this VOIDS "
                 "the DP guarantee. Use it only for runs whose results are never released.", UserWarning, stacklevel=3)
         self.user_seed = None if seed is None else int(seed)
@@ -108,7 +112,7 @@ class NoiseKeyGuard:
         if dp_step == 0 or (self._seeded_from_zero and dp_step == self._fresh_from_step):
             return
         raise ValueError(
-            f"{name}: seed={self.user_seed} would key noise on a model whose privacy ledger has already "
+            f"{name}: the optimizer's seed would key noise on a model whose privacy ledger has already "
             f"taken {dp_step} DP steps this key did not draw (a loaded .keras, load_weights, a model trained in "
             "another process, or a new optimizer or seed on a trained model). A seeded resume redraws the noise "
             "of steps that a copy of the same file may already have released, and two such releases cancel their "

@@ -25,6 +25,8 @@ import warnings
 import weakref
 from typing import Optional
 
+import numpy as np
+
 _DRAWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # ledger → {seed: _SeedRecord}
 
 
@@ -34,6 +36,14 @@ class _SeedRecord:
 
     generation: int
     fresh_from_step: int
+
+
+def check_sampling_seed(seed) -> None:
+    """Refuses a sampling seed that is not an int or None, without naming its value (a seed
+    is a secret: no message, warning or repr may carry it)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+        raise TypeError(f"`sampling_seed` must be an int or None, got a {type(seed).__name__} (value not shown: a "
+                        "seed is a secret).")
 
 
 def generation_seed(seed: int, generation: int) -> int:
