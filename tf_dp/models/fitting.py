@@ -169,7 +169,7 @@ class DPFitting:
             raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
         steps_taken = StepsTaken(self.privacy_ledger, sampling_seed)
         callbacks.append(steps_taken)  # last: its on_train_begin sees a ledger BackupAndRestore restored
-        with self.use_plan(plan), reading_errors_named(source):
+        with self.use_plan(plan), reading_errors_named(source, self):
             dataset = self._poisson_stream(source, scheme, physical_batch_size, sampling_seed, steps_taken, augment,
                                            plan.views)
             self._prebuild(x, y)
@@ -601,12 +601,21 @@ def _split_source_tail(source, fraction, batch: int):
 
 
 @contextlib.contextmanager
-def reading_errors_named(source=None):
+def reading_errors_named(source=None, model=None):
     """A source error raised inside the input pipeline reaches the user as SourceError
     (naming the index and the expected spec), not as an opaque tf.errors op error; a
-    record the in-graph parse of a SerializedSource fails on is found and named too."""
+    record the in-graph parse of a SerializedSource fails on is found and named too.
+
+    Sampled records that failed to read or parse trained as zero-weight examples (the
+    loader's ``zero_weight_unreadable``): after training, and only then, their total over the
+    steps trained is reported (``report_unreadable``)."""
+    log = source.unreadable_log() if hasattr(source, "unreadable_log") else None
+    if log is not None:
+        log.clear()
     try:
         yield
+        if log is not None and model is not None:
+            report_unreadable(model, log)
     except tf.errors.OpError as error:
         message = error.message or ""
         if MARKER not in message:
@@ -616,3 +625,24 @@ def reading_errors_named(source=None):
             raise
         detail = message[message.index(MARKER) + len(MARKER) + 2:].split("\n")[0]
         raise SourceError(detail) from error
+
+
+def report_unreadable(model, log) -> None:
+    """Sets ``model.unreadable_examples`` (and the History's) to the number of sampled records
+    of the steps trained that failed to read or parse and contributed nothing, and warns when
+    there were any, naming a few. Like ``nonfinite_examples`` this count is an exact function of
+    the private batches, outside ε: it is reported as one total after training (never per
+    step, which would say when a record was sampled), and not at all with
+    ``compile(private_logs=True)`` (then None)."""
+    total = None if model._dp["private_logs"] else log.total(below_step=int(model.privacy_ledger.steps.numpy()))
+    object.__setattr__(model, "unreadable_examples", total)  # untracked by Keras: never saved
+    history = getattr(model, "history", None)
+    if history is not None:
+        history.unreadable_examples = total
+    if total:
+        named = "; ".join(f"example {index}: {error}" for index, error in sorted(log.named().items()))
+        warnings.warn(
+            f"tf_dp: {total} sampled record(s) could not be read or parsed during training and were trained on as "
+            f"zero-weight examples (contributing nothing; the sampling and ε are unchanged). First seen: {named}. "
+            "Fix or remove these records; `model.unreadable_examples` holds the total (an exact function of the "
+            "private batches, outside ε, like nonfinite_examples).", UserWarning, stacklevel=4)

@@ -11,6 +11,12 @@ or remote pipeline serves the batch of step t at step t. Padding rows (mask 0) a
 read: they are zeros. Under tf.distribute every input pipeline draws the same global
 batch and reads only the chunks of its own replicas.
 
+A sampled record that fails to read or parse (``ExampleSource.graph_read_tolerant``) is a
+zero-weight example: its slot keeps the padding value and gets mask 0 (a user-level unit with
+one unreadable example contributes nothing), and the count of such records per step goes to the
+source's ``UnreadableLog`` in host memory, for fit to report the total after training — never an
+exception at the step that sampled the record, which would tell when it was sampled.
+
 Reads run in a tf.data ``map`` with ``num_parallel_calls=AUTOTUNE`` (steps in flight
 overlap the train step); a Python source's records are transformed on a small thread pool
 inside one read (``RecordSource.workers``). Chosen by measurement (benchmarks/data_loading.py):
@@ -80,23 +86,26 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
         stream_sampler = sampler_at_start()
         for step, indices, mask in stream_sampler.numbered_stream(None if first_step is None else first_step()):
             if replica_slots is None:
-                yield step, indices, mask
+                yield step, 0, indices, mask
             else:
                 width = len(mask) // chunk_multiple
                 for slot in replica_slots:
                     part = slice(slot * width, (slot + 1) * width)
-                    yield step, indices[part], mask[part]
+                    yield step, slot, indices[part], mask[part]
 
-    signature = (tf.TensorSpec([], tf.int64), tf.TensorSpec([None, physical, *unit], tf.int64),
-                 tf.TensorSpec([None, physical], tf.float32))
+    signature = (tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64),
+                 tf.TensorSpec([None, physical, *unit], tf.int64), tf.TensorSpec([None, physical], tf.float32))
     steps = tf.data.Dataset.from_generator(index_stream, output_signature=signature)
+    log = source.unreadable_log()
 
-    def read(step, indices, mask):
+    def read(step, slot, indices, mask):
         example_mask = tf.broadcast_to(tf.reshape(mask, tf.concat([tf.shape(mask), [1] * len(unit)], 0)),
                                        tf.shape(indices))  # a padding user's slots are never read
-        x, y, extras = source.graph_read(tf.reshape(indices, [-1]), tf.reshape(example_mask, [-1]))
+        x, y, extras, unreadable = source.graph_read_tolerant(tf.reshape(indices, [-1]),
+                                                              tf.reshape(example_mask, [-1]))
         chunks = tf.shape(mask)[0]
         fold = lambda t: tf.reshape(t, tf.concat([[chunks, physical, *unit], tf.shape(t)[1:]], axis=0))  # noqa: E731
+        mask = zero_weight_unreadable(mask, fold(unreadable), tf.reshape(indices, [-1]), step, slot, log)
         element = {"x": tf.nest.map_structure(fold, x), "y": tf.nest.map_structure(fold, y), "mask": mask,
                    "expected_batch_size": tf.fill([chunks], expected),
                    **{name: fold(value) for name, value in extras.items()}}
@@ -108,6 +117,21 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
         elements = elements.map(lambda step, indices, element: (step, indices, views_of(step, indices, element)),
                                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return elements.map(lambda step, indices, element: element).prefetch(2)
+
+
+def zero_weight_unreadable(mask: tf.Tensor, unreadable: tf.Tensor, indices: tf.Tensor, step, slot, log
+                           ) -> tf.Tensor:
+    """``mask`` [chunks, P] with 0 for every unit holding an unreadable record (``unreadable``
+    [chunks, P, (m)]; ``indices`` the flat indices read); when there are any, they are recorded
+    for (step, slot) in ``log`` (one host call, only then)."""
+    per_unit = tf.reshape(unreadable, tf.concat([tf.shape(mask), [-1]], 0))
+    count = tf.reduce_sum(tf.cast(per_unit, tf.int64))
+    record = tf.autograph.experimental.do_not_convert(log.record)
+    bad = tf.boolean_mask(indices, tf.reshape(unreadable, [-1]))
+    noted = tf.cond(count > 0, lambda: tf.numpy_function(record, [step, slot, bad], tf.int64, stateful=True),
+                    lambda: count)
+    with tf.control_dependencies([noted]):
+        return tf.where(tf.reduce_any(per_unit, axis=-1), tf.zeros_like(mask), mask)
 
 
 def _samplers_by_generation(new_sampler, seed, physical_batch_size, seed_generation):

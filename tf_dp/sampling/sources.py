@@ -19,9 +19,16 @@ examples N, unless the data were handed over in memory in the first place:
   sequential pass records every record's byte offset (an index of 16 bytes per record,
   never the records), after which any record is one seek and read away.
 
-A record that cannot be read, or does not match the source's spec (the shapes and
-dtypes of the first example), raises :class:`SourceError` naming the index and the
-expected spec: an example silently skipped would change the sampling the accountant assumes.
+A record read before training (the first rows, which fit's guards and the model build read)
+that cannot be read, or does not match the source's spec (the shapes and dtypes of the first
+example), raises :class:`SourceError` naming the index and the expected spec. During training a
+sampled record of a :class:`RecordSource` or :class:`SerializedSource` that fails to read or
+parse is a ZERO-WEIGHT example (``graph_read_tolerant``): its row holds the padding value and its
+mask is 0, so it contributes nothing (as padding, or a non-finite example) and the sampling the
+accountant assumes is unchanged. An exception there would stop every contributor's training at
+the first step that sampled the record, telling when it was sampled. The loader counts such
+records per step in the source's :class:`UnreadableLog`; fit reports only the total, after
+training (``model.unreadable_examples``), like ``nonfinite_examples`` outside ε.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import concurrent.futures
 import copy
 import os
 import struct
+import threading
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -47,6 +55,63 @@ class SourceError(ValueError):
 
     def __init__(self, message: str):
         super().__init__(f"{MARKER}: {message}")
+
+
+class UnreadableLog:
+    """Records that failed to read or parse during training, kept in host memory only: a count
+    per (ledger step, replica slot) that read them, and the first few (index, error) seen.
+    Nothing here is logged per step: fit reports ``total(below_step)`` after training, so the
+    count never tells WHEN a record was sampled (docs/algorithms.md §7, unreadable records)."""
+
+    NAMED = 3  # distinct bad records named (index and error) in the report
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts: dict = {}
+        self._named: dict = {}
+
+    def __getstate__(self):  # picklable with its source (a lock is not)
+        with self._lock:
+            return {"_counts": dict(self._counts), "_named": dict(self._named)}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._counts.clear()
+            self._named.clear()
+
+    def note(self, index: int, error: Exception) -> None:
+        """The record ``index`` failed with ``error`` (kept for the report, a few distinct ones)."""
+        with self._lock:
+            if len(self._named) < self.NAMED:
+                first_line = str(error).splitlines()[0] if str(error) else ""
+                self._named.setdefault(int(index), f"{type(error).__name__}: {first_line}")
+
+    def record(self, step, slot, indices) -> np.int64:
+        """Step ``step``'s read for replica slot ``slot`` found the records ``indices`` unreadable
+        (a re-read of the same step, after a rollback, replaces its count); those the host read
+        did not name (a parse that failed in the graph) are named without the op's message."""
+        with self._lock:
+            self._counts[(int(step), int(slot))] = len(indices)
+            for index in np.asarray(indices).reshape(-1)[:self.NAMED]:
+                if len(self._named) < self.NAMED:
+                    self._named.setdefault(int(index), "failed to read or parse (in the graph)")
+        return np.int64(len(indices))
+
+    def total(self, below_step: Optional[int] = None) -> int:
+        """Unreadable records of the steps below ``below_step`` (all recorded steps if None):
+        steps the pipeline read ahead but never trained are left out."""
+        with self._lock:
+            return sum(count for (step, _), count in self._counts.items()
+                       if below_step is None or step < below_step)
+
+    def named(self) -> dict:
+        """{index: error} of the first few distinct unreadable records."""
+        with self._lock:
+            return dict(self._named)
 
 
 # ----------------------------------------------------------------------------- specs
@@ -246,14 +311,33 @@ class ExampleSource:
 
     def graph_read(self, indices: tf.Tensor, mask: tf.Tensor):
         """``read`` inside a graph (a tf.data map function): (x, y, extras) tensors [n, ...]."""
-        specs = self.output_specs()
+        return self._numpy_graph_read(self.read, indices, mask, self.output_specs())
+
+    def graph_read_tolerant(self, indices: tf.Tensor, mask: tf.Tensor):
+        """``graph_read`` for training: (x, y, extras, unreadable), ``unreadable`` a bool [n]
+        marking the masked-in rows whose record failed to read or parse; such a row holds the
+        padding value and the loader sets its mask to 0 (a zero-weight example, never an
+        exception mid-training). Sources whose reads cannot fail (arrays): none is."""
+        x, y, extras = self.graph_read(indices, mask)
+        return x, y, extras, tf.zeros(tf.shape(mask), tf.bool)
+
+    def unreadable_log(self) -> UnreadableLog:
+        """This source's record of the unreadable records met during training."""
+        log = self.__dict__.get("_unreadable")
+        if log is None:
+            log = self._unreadable = UnreadableLog()
+        return log
+
+    @staticmethod
+    def _numpy_graph_read(read: Callable, indices: tf.Tensor, mask: tf.Tensor, specs):
+        """``read(indices, mask)`` (numpy structures [n, ...] of ``specs``) run in the graph."""
         flat_specs = tf.nest.flatten(specs)
 
         @tf.autograph.experimental.do_not_convert
-        def read(indices, mask):
-            return [np.asarray(v) for v in tf.nest.flatten(self.read(indices, mask))]
+        def run(indices, mask):
+            return [np.asarray(v) for v in tf.nest.flatten(read(indices, mask))]
 
-        flat = tf.numpy_function(read, [indices, mask], [s.dtype for s in flat_specs], stateful=False)
+        flat = tf.numpy_function(run, [indices, mask], [s.dtype for s in flat_specs], stateful=False)
         for tensor, spec in zip(flat, flat_specs):
             tensor.set_shape([None, *spec.shape])
         return tf.nest.pack_sequence_as(specs, flat)
@@ -333,7 +417,15 @@ class RecordSource(ExampleSource):
             raise SourceError(f"reading example {index} of {type(self.source).__name__} failed "
                               f"({type(error).__name__}: {error}); {self._expected()}") from error
 
-    def _fetch(self, rows: np.ndarray) -> list:
+    def _fetch_one_or_failure(self, index: int):
+        """source[index], or an ``Unreadable`` holding the SourceError."""
+        try:
+            return self._fetch_one(index)
+        except SourceError as error:
+            return Unreadable(error)
+
+    def _fetch(self, rows: np.ndarray, tolerant: bool = False) -> list:
+        """The records ``rows``; with ``tolerant`` a record that fails is an ``Unreadable``."""
         getitems = getattr(self.source, "__getitems__", None)
         if getitems is not None and len(rows) > 1:
             try:
@@ -342,7 +434,8 @@ class RecordSource(ExampleSource):
                     return records
             except Exception:  # noqa: BLE001 — found and named one by one below
                 pass
-        return [self._fetch_one(int(i)) for i in rows]
+        fetch_one = self._fetch_one_or_failure if tolerant else self._fetch_one
+        return [fetch_one(int(i)) for i in rows]
 
     def _expected(self) -> str:
         if self.spec is None:
@@ -394,39 +487,91 @@ class RecordSource(ExampleSource):
                           if numeric(x_spec) and numeric(y_spec) else None)
         return self._fast
 
-    def _examples(self, rows: np.ndarray, threads: bool = True) -> list:
+    def _example_or_none(self, index: int, record):
+        """(x, y) of one record, or None (noted in the log) when it cannot be read or parsed."""
+        if isinstance(record, Unreadable):
+            self.unreadable_log().note(index, record.error)
+            return None
+        try:
+            return self._example(index, record)
+        except SourceError as error:
+            self.unreadable_log().note(index, error)
+            return None
+
+    def _examples(self, rows: np.ndarray, threads: bool = True, tolerant: bool = False) -> list:
+        """(x, y) of each record of ``rows``; with ``tolerant`` None for one that fails."""
+        make = self._example_or_none if tolerant else self._example
+        fetch_one = self._fetch_one_or_failure if tolerant else self._fetch_one
         batched = hasattr(self.source, "__getitems__")
         if not threads or self.workers <= 1 or len(rows) < 2 * self.workers or (self.transform is None and batched):
-            return [self._example(int(i), r) for i, r in zip(rows, self._fetch(rows))]
+            return [make(int(i), r) for i, r in zip(rows, self._fetch(rows, tolerant))]
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="tf_dp_source")
         parts = np.array_split(np.arange(len(rows)), self.workers)
         if batched:  # one batched read (TFDS, ArrayRecord), then the transform on the threads
-            records = self._fetch(rows)
-            work = lambda part: [self._example(int(rows[j]), records[j]) for j in part]  # noqa: E731
+            records = self._fetch(rows, tolerant)
+            work = lambda part: [make(int(rows[j]), records[j]) for j in part]  # noqa: E731
         else:  # each thread reads its records too (a grain MapDataset runs its map functions in source[i])
-            work = lambda part: [self._example(int(rows[j]), self._fetch_one(int(rows[j]))) for j in part]  # noqa: E731
+            work = lambda part: [make(int(rows[j]), fetch_one(int(rows[j]))) for j in part]  # noqa: E731
         return [example for done in self._pool.map(work, parts) for example in done]
 
     def head(self, count: int):
         """The first examples, read in the calling thread (the guard's and the build's rows)."""
         return self.read_examples(np.arange(min(count, len(self))), threads=False)
 
+    def read_tolerant(self, indices: np.ndarray, mask: np.ndarray):
+        """``read`` for training: (x, y, extras, unreadable) — a masked-in record that fails to
+        read or parse gets the padding row (zeros, empty bytes) and ``unreadable`` True."""
+        indices, mask = np.asarray(indices).reshape(-1), np.asarray(mask).reshape(-1)
+        real = np.flatnonzero(mask != 0)
+        examples = self._examples(indices[real].astype(np.int64), tolerant=True)
+        failed = np.asarray([example is None for example in examples], bool)
+        padding = self._padding_example()
+        x, y = self._stacked([padding if example is None else example for example in examples], len(real))
+        unreadable = np.zeros(len(indices), bool)
+        unreadable[real[failed]] = True
+        place = lambda values: _scatter(values, real, len(indices))  # noqa: E731
+        return (tf.nest.map_structure(place, x), tf.nest.map_structure(place, y), self.read_extras(indices, mask),
+                unreadable)
+
+    def graph_read_tolerant(self, indices: tf.Tensor, mask: tf.Tensor):
+        specs = (*self.output_specs(), tf.TensorSpec([], tf.bool))
+        return self._numpy_graph_read(self.read_tolerant, indices, mask, specs)
+
+    def _padding_example(self):
+        """The padding row's (x, y): zeros of the spec, empty bytes for strings."""
+        def zeros(spec):
+            if spec.dtype == tf.string:
+                return np.full(spec.shape, b"", object) if spec.shape.rank else b""
+            return np.zeros(spec.shape, spec.dtype.as_numpy_dtype)
+
+        return tf.nest.map_structure(zeros, self.spec[0]), tf.nest.map_structure(zeros, self.spec[1])
+
     def read_examples(self, rows, threads: bool = True):
         rows = np.asarray(rows, np.int64)
-        examples = self._examples(rows, threads)
+        return self._stacked(self._examples(rows, threads), len(rows))
+
+    def _stacked(self, examples: list, count: int):
+        """(x, y) numpy structures [count, ...] stacking ``examples``' (x, y) pairs."""
         x_spec, y_spec = self.spec
         if self._fast_leaves() is not None:  # one x array, one y: stacked without a nest walk per example
             if not examples:
                 return (np.empty((0, *x_spec.shape), x_spec.dtype.as_numpy_dtype),
                         np.empty((0, *y_spec.shape), y_spec.dtype.as_numpy_dtype))
             return np.stack([e[0] for e in examples]), np.stack([e[1] for e in examples])
-        x_leaves = [np.empty((len(rows), *s.shape), s.dtype.as_numpy_dtype) for s in tf.nest.flatten(x_spec)]
-        y_leaves = [np.empty((len(rows), *s.shape), s.dtype.as_numpy_dtype) for s in tf.nest.flatten(y_spec)]
+        x_leaves = [np.empty((count, *s.shape), s.dtype.as_numpy_dtype) for s in tf.nest.flatten(x_spec)]
+        y_leaves = [np.empty((count, *s.shape), s.dtype.as_numpy_dtype) for s in tf.nest.flatten(y_spec)]
         for j, (x_j, y_j) in enumerate(examples):
             for leaf, value in zip(x_leaves + y_leaves, tf.nest.flatten(x_j) + tf.nest.flatten(y_j)):
                 leaf[j] = value
         return tf.nest.pack_sequence_as(x_spec, x_leaves), tf.nest.pack_sequence_as(y_spec, y_leaves)
+
+
+class Unreadable:
+    """A record that could not be fetched: the SourceError saying why."""
+
+    def __init__(self, error: SourceError):
+        self.error = error
 
 
 def refuse_duplicating_source(source) -> None:
@@ -512,6 +657,21 @@ class SerializedSource(ExampleSource):
         out[:] = values
         return out
 
+    def _serialized_tolerant(self, rows: np.ndarray):
+        """(serialized [n], fetched [n] bool): a record that fails to read, or is not bytes, is
+        b"" with fetched False (noted in the log)."""
+        self._recent.append(np.array(rows, np.int64))
+        values = self.records._fetch(np.asarray(rows, np.int64), tolerant=True)
+        out, fetched = np.empty(len(values), object), np.ones(len(values), bool)
+        for j, (index, value) in enumerate(zip(rows, values)):
+            if isinstance(value, Unreadable) or not isinstance(value, bytes):
+                error = value.error if isinstance(value, Unreadable) else \
+                    SourceError(f"example {int(index)} is a {type(value).__name__}, not serialized bytes")
+                self.unreadable_log().note(int(index), error)
+                value, fetched[j] = b"", False
+            out[j] = value
+        return out, fetched
+
     def _parse(self, serialized, first_index=None):
         try:
             return self._parse_function(serialized)
@@ -596,6 +756,74 @@ class SerializedSource(ExampleSource):
             flat = tf.numpy_function(read, [indices, mask], [specs[n].dtype for n in names], stateful=False)
             extras = {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
         return tf.nest.map_structure(place, x), tf.nest.map_structure(place, y), extras
+
+
+    def graph_read_tolerant(self, indices, mask):
+        """``graph_read`` for training: the batch parsed at once in the graph as usual; only when
+        that fails is each record parsed on its own, and a record that fails to fetch or parse
+        becomes the padding row (zeros) marked ``unreadable`` — never an op error."""
+        is_real = mask > 0
+        rows = tf.gather(indices, tf.reshape(tf.where(is_real), [-1]))
+        fetch = tf.autograph.experimental.do_not_convert(lambda r: self._serialized_tolerant(r))
+        serialized, fetched = tf.numpy_function(fetch, [rows], [tf.string, tf.bool], stateful=False)
+        serialized.set_shape([None])
+        fetched.set_shape([None])
+        parsed_ok, parsed = self._parse_each_if_needed(tf.boolean_mask(serialized, fetched))
+        readable_real = _spread(parsed_ok, fetched)  # one per real row: False where the fetch failed
+        unreadable = is_real & tf.logical_not(_spread(readable_real, is_real))
+        place = lambda values: _spread(_spread(values, fetched), is_real)  # noqa: E731 — zeros where not read
+        x, y = (tf.nest.map_structure(place, part) for part in parsed)
+        return x, y, self._graph_extras(indices, mask), unreadable
+
+    def _graph_extras(self, indices, mask) -> dict:
+        if not self.extras:
+            return {}
+        specs, names = self.output_specs()[2], sorted(self.extras)
+        read = tf.autograph.experimental.do_not_convert(lambda i, m: [self.read_extras(i, m)[n] for n in names])
+        flat = tf.numpy_function(read, [indices, mask], [specs[n].dtype for n in names], stateful=False)
+        return {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
+
+    def _parse_each_if_needed(self, serialized):
+        """(parsed [n] bool, (x, y) [n, ...]): ``parse`` of the whole batch when it succeeds (the
+        usual case: one vectorized parse), else of each record alone, zeros for one that fails."""
+        whole_ok, whole = self._attempt_parse(serialized)
+
+        def one_by_one():
+            def one(record):
+                ok, example = self._attempt_parse(record[None])
+                return ok, tf.nest.map_structure(lambda t: t[0], example)
+
+            return tf.map_fn(one, serialized, fn_output_signature=(tf.TensorSpec([], tf.bool), self.spec))
+
+        return tf.cond(whole_ok, lambda: (tf.fill(tf.shape(serialized), True), whole), one_by_one)
+
+    def _attempt_parse(self, serialized):
+        """(True, parse(serialized)) if it succeeds with one example per record of the spec's
+        shapes, else (False, zeros): tf.data's ignore_errors turns the op error into no element."""
+        count = tf.shape(serialized)[0]
+
+        def checked(records):
+            parsed = self.parse(records)
+            flat = [tf.ensure_shape(t, [None, *spec.shape]) for t, spec in
+                    zip(tf.nest.flatten(tuple(parsed)), tf.nest.flatten(self.spec))]
+            with tf.control_dependencies([tf.debugging.assert_equal(tf.shape(t)[0], count) for t in flat]):
+                flat = [tf.identity(t) for t in flat]
+            return True, tf.nest.pack_sequence_as(self.spec, flat)
+
+        zeros = tf.nest.map_structure(lambda spec: tf.zeros(tf.concat([[count], spec.shape], 0), spec.dtype),
+                                      self.spec)
+        parsed = tf.data.Dataset.from_tensors(serialized).map(checked).ignore_errors()
+        failed = tf.data.Dataset.from_tensors((tf.constant(False), zeros))
+        return parsed.concatenate(failed).take(1).get_single_element()
+
+
+def _spread(values: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+    """A [len(keep), ...] tensor holding ``values`` (one row per True of ``keep``, in order) at
+    keep's True positions and zeros (False, empty bytes) elsewhere."""
+    count = tf.shape(values)[0]
+    zero_row = tf.zeros(tf.concat([[1], tf.shape(values)[1:]], 0), values.dtype)
+    source_row = tf.where(keep, tf.cumsum(tf.cast(keep, tf.int32)) - 1, count)
+    return tf.gather(tf.concat([values, zero_row], 0), source_row)
 
 
 class DatasetSource(ExampleSource):

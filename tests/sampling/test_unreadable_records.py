@@ -1,0 +1,140 @@
+"""A sampled record that fails to read or parse is a zero-weight example, never an exception
+mid-training (issue 31 item 6). Before, a wrong-shape RecordSource record or corrupt
+SerializedSource bytes stopped training with ``SourceError: ... example 150 ...`` at the first
+step that sampled it: an oracle of when the contributor was sampled, and one contributor could
+stop everyone's training.
+
+Independent check, at σ = 0: the release equals that of the neighbouring dataset in which the
+bad record is replaced by one that contributes exactly nothing (x = 0 in a bias-free linear
+model with a squared loss: its gradient 2(w·x − y)x is 0), with the same sampled batches; the
+count reported after training equals the number of trained steps whose batch sampled the bad
+index, counted from the sampler itself."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dp
+from tf_dp.sampling import PoissonSampler
+from tf_dp.sampling.sources import SerializedSource
+
+N, FEATURES, L, STEPS, SEED = 240, 6, 24, 30, 11
+BAD = 150  # beyond the rows fit reads before training (67): only sampling reaches it
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, FEATURES)).astype("float32"), rng.normal(size=(N, 1)).astype("float32")
+
+
+def linear_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    model = tf_dp.DPModel(inputs, keras.layers.Dense(1, use_bias=False)(inputs))
+    model.compile(optimizer=tf_dp.DPSGD(0.5, l2_norm_clip=0.5, noise_multiplier=0.0), loss="mse")
+    return model
+
+
+def times_sampled(index) -> int:
+    """How many of the STEPS trained batches hold ``index``, from the sampler itself."""
+    sampler = PoissonSampler(N, L, None, SEED)
+    return sum(int(np.sum((sampler.batch(t)[0] == index) & (sampler.batch(t)[1] > 0))) for t in range(STEPS))
+
+
+def fit(model, source):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(source, batch_size=L, epochs=1, steps_per_epoch=STEPS, sampling_seed=SEED, verbose=0)
+    return history, [str(w.message) for w in caught if "could not be read" in str(w.message)]
+
+
+class Records:
+    """Record i = (x[i], y[i]); record BAD is ``bad()`` instead."""
+
+    def __init__(self, x, y, bad):
+        self.x, self.y, self.bad = x, y, bad
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, index):
+        return self.bad() if index == BAD else (self.x[index], self.y[index])
+
+
+def neighbour(x, y):
+    """The same data with record BAD contributing exactly nothing (x = 0)."""
+    x = x.copy()
+    x[BAD] = 0.0
+    return x, y
+
+
+def assert_trains_as_the_neighbour(bad_source, x, y):
+    assert times_sampled(BAD) >= 2  # the bad record is sampled during training (else the test is void)
+    trained, reference, with_record = linear_model(), linear_model(), linear_model()
+    history, warned = fit(trained, bad_source)
+    x_zero, y_zero = neighbour(x, y)
+    fit(reference, Records(x_zero, y_zero, bad=lambda: (x_zero[BAD], y_zero[BAD])))
+    fit(with_record, Records(x, y, bad=lambda: (x[BAD], y[BAD])))
+    assert int(trained.privacy_ledger.steps.numpy()) == STEPS  # trained to completion
+    for a, b in zip(trained.get_weights(), reference.get_weights()):
+        np.testing.assert_array_equal(a, b)  # the release of the neighbouring dataset, exactly
+    assert not all(np.array_equal(a, b) for a, b in zip(trained.get_weights(), with_record.get_weights()))
+    assert trained.unreadable_examples == times_sampled(BAD) == history.unreadable_examples
+    assert reference.unreadable_examples == 0
+    assert len(warned) == 1 and f"{times_sampled(BAD)} sampled record" in warned[0] and f"example {BAD}" in warned[0]
+    assert "step" not in warned[0].replace("steps", "")  # the total only: no step is named
+
+
+@pytest.mark.parametrize("bad", ["shape", "raises"])
+def test_a_bad_record_source_record_trains_as_a_zero_weight_example(bad):
+    x, y = data()
+    make_bad = {"shape": lambda: (x[BAD][:4], y[BAD]), "raises": lambda: 1 / 0}[bad]
+    assert_trains_as_the_neighbour(Records(x, y, make_bad), x, y)
+
+
+def parse(serialized):
+    """[n] strings of 7 float32 (6 features, then the target) → (x [n, 6], y [n, 1])."""
+    values = tf.reshape(tf.io.decode_raw(serialized, tf.float32), [-1, FEATURES + 1])
+    return values[:, :FEATURES], values[:, FEATURES:]
+
+
+class Serialized:
+    def __init__(self, x, y, corrupt):
+        self.rows = [np.concatenate([x[i], y[i]]).astype(np.float32).tobytes() for i in range(N)]
+        if corrupt is not None:
+            self.rows[BAD] = corrupt
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
+@pytest.mark.parametrize("corrupt", [b"\x00\x01\x02", "not bytes"], ids=["truncated_bytes", "not_bytes"])
+def test_corrupt_serialized_bytes_train_as_a_zero_weight_example(corrupt):
+    x, y = data()
+    bad = SerializedSource(Serialized(x, y, corrupt), parse)
+    assert times_sampled(BAD) >= 2
+    trained, reference, with_record = linear_model(), linear_model(), linear_model()
+    history, warned = fit(trained, bad)
+    fit(reference, SerializedSource(Serialized(*neighbour(x, y), None), parse))
+    fit(with_record, SerializedSource(Serialized(x, y, None), parse))
+    assert int(trained.privacy_ledger.steps.numpy()) == STEPS
+    for a, b in zip(trained.get_weights(), reference.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert not all(np.array_equal(a, b) for a, b in zip(trained.get_weights(), with_record.get_weights()))
+    assert trained.unreadable_examples == times_sampled(BAD) == history.unreadable_examples
+    assert reference.unreadable_examples == 0 and with_record.unreadable_examples == 0
+    assert len(warned) == 1 and f"example {BAD}" in warned[0]
+
+
+def test_private_logs_report_no_count():
+    x, y = data()
+    model = linear_model()
+    model.compile(optimizer=tf_dp.DPSGD(0.5, l2_norm_clip=0.5, noise_multiplier=0.0), loss="mse", private_logs=True)
+    _, warned = fit(model, Records(x, y, lambda: 1 / 0))
+    assert int(model.privacy_ledger.steps.numpy()) == STEPS and model.unreadable_examples is None and not warned
