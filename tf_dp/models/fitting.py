@@ -615,7 +615,7 @@ def reading_errors_named(source=None, model=None):
     try:
         yield
         if log is not None and model is not None:
-            report_unreadable(model, log)
+            report_unreadable(model, source, log)
     except tf.errors.OpError as error:
         message = error.message or ""
         if MARKER not in message:
@@ -627,7 +627,7 @@ def reading_errors_named(source=None, model=None):
         raise SourceError(detail) from error
 
 
-def report_unreadable(model, log) -> None:
+def report_unreadable(model, source, log) -> None:
     """Sets ``model.unreadable_examples`` (and the History's) to the number of sampled records
     of the steps trained that failed to read or parse and contributed nothing, and warns when
     there were any, naming a few. Like ``nonfinite_examples`` this count is an exact function of
@@ -640,7 +640,7 @@ def report_unreadable(model, log) -> None:
     if history is not None:
         history.unreadable_examples = total
     if total:
-        named = "; ".join(f"example {index}: {error}" for index, error in sorted(log.named().items()))
+        named = "; ".join(f"example {index}: {why}" for index, why in sorted(source.unreadable_named().items()))
         warnings.warn(
             f"tf_dp: {total} sampled record(s) could not be read or parsed during training and were trained on as "
             f"zero-weight examples (contributing nothing; the sampling and ε are unchanged). First seen: {named}. "

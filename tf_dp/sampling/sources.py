@@ -57,6 +57,17 @@ class SourceError(ValueError):
         super().__init__(f"{MARKER}: {message}")
 
 
+GRAPH_FAILURE = "failed to parse (in the graph)"
+
+
+def _why(error: Exception) -> str:
+    """One line saying why a record failed: a SourceError's own message, else the error's type and first line."""
+    message = str(error).splitlines()[0] if str(error) else ""
+    if isinstance(error, SourceError):
+        return message[len(MARKER) + 2:] if message.startswith(MARKER) else message
+    return f"{type(error).__name__}: {message}"
+
+
 class UnreadableLog:
     """Records that failed to read or parse during training, kept in host memory only: a count
     per (ledger step, replica slot) that read them, and the first few (index, error) seen.
@@ -87,8 +98,7 @@ class UnreadableLog:
         """The record ``index`` failed with ``error`` (kept for the report, a few distinct ones)."""
         with self._lock:
             if len(self._named) < self.NAMED:
-                first_line = str(error).splitlines()[0] if str(error) else ""
-                self._named.setdefault(int(index), f"{type(error).__name__}: {first_line}")
+                self._named.setdefault(int(index), _why(error))
 
     def record(self, step, slot, indices) -> np.int64:
         """Step ``step``'s read for replica slot ``slot`` found the records ``indices`` unreadable
@@ -98,7 +108,7 @@ class UnreadableLog:
             self._counts[(int(step), int(slot))] = len(indices)
             for index in np.asarray(indices).reshape(-1)[:self.NAMED]:
                 if len(self._named) < self.NAMED:
-                    self._named.setdefault(int(index), "failed to read or parse (in the graph)")
+                    self._named.setdefault(int(index), GRAPH_FAILURE)
         return np.int64(len(indices))
 
     def total(self, below_step: Optional[int] = None) -> int:
@@ -320,6 +330,10 @@ class ExampleSource:
         exception mid-training). Sources whose reads cannot fail (arrays): none is."""
         x, y, extras = self.graph_read(indices, mask)
         return x, y, extras, tf.zeros(tf.shape(mask), tf.bool)
+
+    def unreadable_named(self) -> dict:
+        """{index: why} of the first few records that failed to read or parse in training."""
+        return self.unreadable_log().named()
 
     def unreadable_log(self) -> UnreadableLog:
         """This source's record of the unreadable records met during training."""
@@ -720,19 +734,36 @@ class SerializedSource(ExampleSource):
         by one (eagerly) and name the first that fails, with the expected spec."""
         for rows in reversed(list(self._recent)):
             for index in rows:
-                try:
-                    serialized = self._serialized([int(index)])
-                    x, y = self._parse_function(tf.constant(serialized, tf.string))
-                    for leaf, spec in zip(tf.nest.flatten((x, y)), tf.nest.flatten(self.spec)):
-                        if tuple(leaf.shape[1:]) != tuple(spec.shape) or leaf.dtype != spec.dtype:
-                            raise ValueError(f"parsed as {leaf.dtype.name}{list(leaf.shape[1:])}")
-                except SourceError as error:
+                error = self.parse_error(int(index))
+                if error is not None:
                     return error
-                except Exception as error:  # noqa: BLE001 — named below
-                    return SourceError(f"parsing example {int(index)} failed ({type(error).__name__}: "
-                                       f"{str(error).splitlines()[0] if str(error) else ''}); "
-                                       f"expected {describe(self.spec)}")
         return None
+
+    def parse_error(self, index: int) -> Optional[SourceError]:
+        """The SourceError of fetching and parsing record ``index`` alone (eagerly), or None."""
+        try:
+            serialized = self._serialized([index])
+            x, y = self._parse_function(tf.constant(serialized, tf.string))
+            for leaf, spec in zip(tf.nest.flatten((x, y)), tf.nest.flatten(self.spec)):
+                if tuple(leaf.shape[1:]) != tuple(spec.shape) or leaf.dtype != spec.dtype:
+                    raise ValueError(f"parsed as {leaf.dtype.name}{list(leaf.shape[1:])}")
+        except SourceError as error:
+            return error
+        except Exception as error:  # noqa: BLE001 — named below
+            return SourceError(f"parsing example {index} failed ({type(error).__name__}: "
+                               f"{str(error).splitlines()[0] if str(error) else ''}); "
+                               f"expected {describe(self.spec)}")
+        return None
+
+    def unreadable_named(self) -> dict:
+        """{index: why} of the first unreadable records; a parse that failed in the graph is
+        parsed again alone, eagerly, to say why (after training: no step is affected)."""
+        named = super().unreadable_named()
+        for index, why in named.items():
+            if why == GRAPH_FAILURE:
+                error = self.parse_error(index)
+                named[index] = why if error is None else _why(error)
+        return named
 
     def graph_read(self, indices, mask):
         real = tf.reshape(tf.where(mask > 0), [-1])
