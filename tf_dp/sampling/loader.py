@@ -105,7 +105,7 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
                                                               tf.reshape(example_mask, [-1]))
         chunks = tf.shape(mask)[0]
         fold = lambda t: tf.reshape(t, tf.concat([[chunks, physical, *unit], tf.shape(t)[1:]], axis=0))  # noqa: E731
-        mask = zero_weight_unreadable(mask, fold(unreadable), tf.reshape(indices, [-1]), step, slot, log)
+        mask = zero_weight_unreadable(mask, fold(unreadable), step, slot, log)
         element = {"x": tf.nest.map_structure(fold, x), "y": tf.nest.map_structure(fold, y), "mask": mask,
                    "expected_batch_size": tf.fill([chunks], expected),
                    **{name: fold(value) for name, value in extras.items()}}
@@ -119,16 +119,14 @@ def poisson_loader(source: ExampleSource, batch_size: int, physical_batch_size: 
     return elements.map(lambda step, indices, element: element).prefetch(2)
 
 
-def zero_weight_unreadable(mask: tf.Tensor, unreadable: tf.Tensor, indices: tf.Tensor, step, slot, log
-                           ) -> tf.Tensor:
+def zero_weight_unreadable(mask: tf.Tensor, unreadable: tf.Tensor, step, slot, log) -> tf.Tensor:
     """``mask`` [chunks, P] with 0 for every unit holding an unreadable record (``unreadable``
-    [chunks, P, (m)]; ``indices`` the flat indices read); when there are any, they are recorded
-    for (step, slot) in ``log`` (one host call, only then)."""
+    [chunks, P, (m)]); when there are any, their count is recorded for (step, slot) in ``log``
+    (one host call, only then)."""
     per_unit = tf.reshape(unreadable, tf.concat([tf.shape(mask), [-1]], 0))
     count = tf.reduce_sum(tf.cast(per_unit, tf.int64))
     record = tf.autograph.experimental.do_not_convert(log.record)
-    bad = tf.boolean_mask(indices, tf.reshape(unreadable, [-1]))
-    noted = tf.cond(count > 0, lambda: tf.numpy_function(record, [step, slot, bad], tf.int64, stateful=True),
+    noted = tf.cond(count > 0, lambda: tf.numpy_function(record, [step, slot, count], tf.int64, stateful=True),
                     lambda: count)
     with tf.control_dependencies([noted]):
         return tf.where(tf.reduce_any(per_unit, axis=-1), tf.zeros_like(mask), mask)

@@ -57,9 +57,6 @@ class SourceError(ValueError):
         super().__init__(f"{MARKER}: {message}")
 
 
-GRAPH_FAILURE = "failed to parse (in the graph)"
-
-
 def _why(error: Exception) -> str:
     """One line saying why a record failed: a SourceError's own message, else the error's type and first line."""
     message = str(error).splitlines()[0] if str(error) else ""
@@ -100,16 +97,12 @@ class UnreadableLog:
             if len(self._named) < self.NAMED:
                 self._named.setdefault(int(index), _why(error))
 
-    def record(self, step, slot, indices) -> np.int64:
-        """Step ``step``'s read for replica slot ``slot`` found the records ``indices`` unreadable
-        (a re-read of the same step, after a rollback, replaces its count); those the host read
-        did not name (a parse that failed in the graph) are named without the op's message."""
+    def record(self, step, slot, count) -> np.int64:
+        """Step ``step``'s read for replica slot ``slot`` found ``count`` unreadable records (a
+        re-read of the same step, after a rollback, replaces its count)."""
         with self._lock:
-            self._counts[(int(step), int(slot))] = len(indices)
-            for index in np.asarray(indices).reshape(-1)[:self.NAMED]:
-                if len(self._named) < self.NAMED:
-                    self._named.setdefault(int(index), GRAPH_FAILURE)
-        return np.int64(len(indices))
+            self._counts[(int(step), int(slot))] = int(count)
+        return np.int64(count)
 
     def total(self, below_step: Optional[int] = None) -> int:
         """Unreadable records of the steps below ``below_step`` (all recorded steps if None):
@@ -647,10 +640,11 @@ class SerializedSource(ExampleSource):
         self._count = len(records)
         self.extras = {}
         self._recent = collections.deque(maxlen=16)
-        # Eager reads (the guard's head rows, diagnose) run the same graph as the loader's.
+        # Eager reads (the guard's head rows, diagnose, the loader's) run one graph of parse.
         self._parse_function = tf.function(parse, autograph=False, reduce_retracing=True)
-        outputs = tf.function(parse, autograph=False).get_concrete_function(
-            tf.TensorSpec([None], tf.string)).structured_outputs
+        # The loader's reads call this concrete function once per step (no retracing check).
+        self._parse_batch = self._parse_function.get_concrete_function(tf.TensorSpec([None], tf.string))
+        outputs = self._parse_batch.structured_outputs
         if not isinstance(outputs, (tuple, list)) or len(outputs) != 2:
             raise ValueError("`parse(serialized)` must return an (x, y) pair of batched tensors.")
         self.spec = tuple(tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), tuple(outputs)))
@@ -755,16 +749,6 @@ class SerializedSource(ExampleSource):
                                f"expected {describe(self.spec)}")
         return None
 
-    def unreadable_named(self) -> dict:
-        """{index: why} of the first unreadable records; a parse that failed in the graph is
-        parsed again alone, eagerly, to say why (after training: no step is affected)."""
-        named = super().unreadable_named()
-        for index, why in named.items():
-            if why == GRAPH_FAILURE:
-                error = self.parse_error(index)
-                named[index] = why if error is None else _why(error)
-        return named
-
     def graph_read(self, indices, mask):
         real = tf.reshape(tf.where(mask > 0), [-1])
         rows = tf.gather(indices, real)
@@ -789,72 +773,70 @@ class SerializedSource(ExampleSource):
         return tf.nest.map_structure(place, x), tf.nest.map_structure(place, y), extras
 
 
+    def read_tolerant(self, indices: np.ndarray, mask: np.ndarray):
+        """``read`` for training: (x, y, extras, unreadable). The sampled records are parsed
+        together (one vectorized call of ``parse``); only when that fails is each parsed alone,
+        and a record that fails to fetch or parse gets the padding row (zeros) and
+        ``unreadable`` True, named in the log with the error."""
+        indices, mask = np.asarray(indices).reshape(-1), np.asarray(mask).reshape(-1)
+        real = np.flatnonzero(mask != 0)
+        rows = indices[real].astype(np.int64)
+        serialized, fetched = self._serialized_tolerant(rows)
+        groups = self._parsed_groups(serialized, rows, np.flatnonzero(fetched))
+        if len(groups) == 1 and len(groups[0][0]) == len(rows) and groups[0][1] is not None:
+            leaves, parsed = groups[0][1], np.ones(len(rows), bool)  # all read and parsed: no copy
+        else:
+            leaves = [_padding_rows(spec, len(rows)) for spec in tf.nest.flatten(self.spec)]
+            parsed = np.zeros(len(rows), bool)
+            for group, values in groups:
+                if values is not None:
+                    for leaf, value in zip(leaves, values):
+                        leaf[group] = value
+                    parsed[group] = True
+        unreadable = np.zeros(len(indices), bool)
+        unreadable[real[~parsed]] = True
+        if len(real) < len(indices):  # padding slots: zeros
+            leaves = [_scatter(leaf, real, len(indices)) for leaf in leaves]
+        x, y = tf.nest.pack_sequence_as(self.spec, leaves)
+        return x, y, self.read_extras(indices, mask), unreadable
+
     def graph_read_tolerant(self, indices, mask):
-        """``graph_read`` for training: the batch parsed at once in the graph as usual; only when
-        that fails is each record parsed on its own, and a record that fails to fetch or parse
-        becomes the padding row (zeros) marked ``unreadable`` — never an op error."""
-        is_real = mask > 0
-        rows = tf.gather(indices, tf.reshape(tf.where(is_real), [-1]))
-        fetch = tf.autograph.experimental.do_not_convert(lambda r: self._serialized_tolerant(r))
-        serialized, fetched = tf.numpy_function(fetch, [rows], [tf.string, tf.bool], stateful=False)
-        serialized.set_shape([None])
-        fetched.set_shape([None])
-        parsed_ok, parsed = self._parse_each_if_needed(tf.boolean_mask(serialized, fetched))
-        readable_real = _spread(parsed_ok, fetched)  # one per real row: False where the fetch failed
-        unreadable = is_real & tf.logical_not(_spread(readable_real, is_real))
-        place = lambda values: _spread(_spread(values, fetched), is_real)  # noqa: E731 — zeros where not read
-        x, y = (tf.nest.map_structure(place, part) for part in parsed)
-        return x, y, self._graph_extras(indices, mask), unreadable
+        specs = (*self.output_specs(), tf.TensorSpec([], tf.bool))
+        return self._numpy_graph_read(self.read_tolerant, indices, mask, specs)
 
-    def _graph_extras(self, indices, mask) -> dict:
-        if not self.extras:
-            return {}
-        specs, names = self.output_specs()[2], sorted(self.extras)
-        read = tf.autograph.experimental.do_not_convert(lambda i, m: [self.read_extras(i, m)[n] for n in names])
-        flat = tf.numpy_function(read, [indices, mask], [specs[n].dtype for n in names], stateful=False)
-        return {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
+    def _parsed_groups(self, serialized: np.ndarray, rows: np.ndarray, good: np.ndarray) -> list:
+        """(positions, parsed leaves or None) pairs covering ``good``: all parsed together when
+        that succeeds (the usual case), else each record alone."""
+        if not len(good):
+            return []
+        together = self._parsed_leaves(serialized[good], rows[good])
+        if together is not None:
+            return [(good, together)]
+        return [(good[j:j + 1], self._parsed_leaves(serialized[good[j:j + 1]], rows[good[j:j + 1]]))
+                for j in range(len(good))]
 
-    def _parse_each_if_needed(self, serialized):
-        """(parsed [n] bool, (x, y) [n, ...]): ``parse`` of the whole batch when it succeeds (the
-        usual case: one vectorized parse), else of each record alone, zeros for one that fails."""
-        whole_ok, whole = self._attempt_parse(serialized)
-
-        def one_by_one():
-            def one(record):
-                ok, example = self._attempt_parse(record[None])
-                return ok, tf.nest.map_structure(lambda t: t[0], example)
-
-            return tf.map_fn(one, serialized, fn_output_signature=(tf.TensorSpec([], tf.bool), self.spec))
-
-        return tf.cond(whole_ok, lambda: (tf.fill(tf.shape(serialized), True), whole), one_by_one)
-
-    def _attempt_parse(self, serialized):
-        """(True, parse(serialized)) if it succeeds with one example per record of the spec's
-        shapes, else (False, zeros): tf.data's ignore_errors turns the op error into no element."""
-        count = tf.shape(serialized)[0]
-
-        def checked(records):
-            parsed = self.parse(records)
-            flat = [tf.ensure_shape(t, [None, *spec.shape]) for t, spec in
-                    zip(tf.nest.flatten(tuple(parsed)), tf.nest.flatten(self.spec))]
-            with tf.control_dependencies([tf.debugging.assert_equal(tf.shape(t)[0], count) for t in flat]):
-                flat = [tf.identity(t) for t in flat]
-            return True, tf.nest.pack_sequence_as(self.spec, flat)
-
-        zeros = tf.nest.map_structure(lambda spec: tf.zeros(tf.concat([[count], spec.shape], 0), spec.dtype),
-                                      self.spec)
-        parsed = tf.data.Dataset.from_tensors(serialized).map(checked).ignore_errors()
-        failed = tf.data.Dataset.from_tensors((tf.constant(False), zeros))
-        return parsed.concatenate(failed).take(1).get_single_element()
+    def _parsed_leaves(self, serialized: np.ndarray, rows: np.ndarray) -> Optional[list]:
+        """The flat (x, y) leaves of ``parse(serialized)`` as numpy arrays, checked against the
+        spec; None if it fails (a single record's failure is noted in the log)."""
+        try:
+            flat = [np.asarray(t) for t in tf.nest.flatten(tuple(self._parse_batch(
+                tf.constant(serialized, tf.string))))]
+            for leaf, spec in zip(flat, tf.nest.flatten(self.spec)):
+                if leaf.shape != (len(rows), *spec.shape) or tf.as_dtype(leaf.dtype) != spec.dtype:
+                    raise ValueError(f"parsed as {tf.as_dtype(leaf.dtype).name}{list(leaf.shape[1:])}")
+            return flat
+        except (tf.errors.OpError, ValueError, TypeError) as error:
+            if len(rows) == 1:
+                self.unreadable_log().note(int(rows[0]), SourceError(
+                    f"parsing example {int(rows[0])} failed ({_why(error)}); expected {describe(self.spec)}"))
+            return None
 
 
-def _spread(values: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
-    """A [len(keep), ...] tensor holding ``values`` (one row per True of ``keep``, in order) at
-    keep's True positions and zeros (False, empty bytes) elsewhere."""
-    count = tf.shape(values)[0]
-    zero_row = tf.zeros(tf.concat([[1], tf.shape(values)[1:]], 0), values.dtype)
-    source_row = tf.where(keep, tf.cumsum(tf.cast(keep, tf.int32)) - 1, count)
-    return tf.gather(tf.concat([values, zero_row], 0), source_row)
+def _padding_rows(spec: tf.TensorSpec, count: int) -> np.ndarray:
+    """``count`` padding rows of ``spec``: zeros, or empty bytes for strings."""
+    if spec.dtype == tf.string:
+        return np.full((count, *spec.shape), b"", object)
+    return np.zeros((count, *spec.shape), spec.dtype.as_numpy_dtype)
 
 
 class DatasetSource(ExampleSource):
