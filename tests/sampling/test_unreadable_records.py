@@ -138,3 +138,18 @@ def test_private_logs_report_no_count():
     model.compile(optimizer=tf_dp.DPSGD(0.5, l2_norm_clip=0.5, noise_multiplier=0.0), loss="mse", private_logs=True)
     _, warned = fit(model, Records(x, y, lambda: 1 / 0))
     assert int(model.privacy_ledger.steps.numpy()) == STEPS and model.unreadable_examples is None and not warned
+
+
+def test_a_user_with_one_unreadable_example_contributes_nothing_and_is_counted_once_per_record():
+    """User-level sampling (indices [chunks, P, m]): the user's unit gets mask 0."""
+    from tf_dp.sampling.loader import zero_weight_unreadable
+    from tf_dp.sampling.sources import UnreadableLog
+
+    log = UnreadableLog()
+    mask = tf.constant([[1.0, 1.0, 1.0, 0.0]])
+    unreadable = np.zeros((1, 4, 3), bool)
+    unreadable[0, 1, 2] = True  # user 1's third example
+    masked = zero_weight_unreadable(mask, tf.constant(unreadable), tf.constant(7, tf.int64),
+                                    tf.constant(0, tf.int64), log)
+    np.testing.assert_array_equal(masked.numpy(), [[1.0, 0.0, 1.0, 0.0]])
+    assert log.total() == 1 and log.total(below_step=7) == 0  # step 7 read ahead, not trained: left out

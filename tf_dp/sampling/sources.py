@@ -628,9 +628,10 @@ class SerializedSource(ExampleSource):
     ``data_source`` inside a ``tfds.data_source``) and ``parse(serialized) -> (x, y)``
     turns a BATCH of them ([n] strings → [n, ...] tensors) into examples with TensorFlow
     ops (``tf.io.parse_example``, ``tf.io.decode_raw``, ...): per step one Python call
-    fetches the sampled records, and the parsing runs vectorized in the graph — no Python
-    per record (TFDS' own per-record decoding costs ~40 µs a record, more than an MNIST DP
-    step's share of the time)."""
+    fetches the sampled records and runs ``parse``'s traced graph once on all of them,
+    vectorized — no Python per record (TFDS' own per-record decoding costs ~40 µs a record,
+    more than an MNIST DP step's share of the time). Only when that parse fails is each record
+    parsed alone, and the failing one trains as a zero-weight example (``read_tolerant``)."""
 
     def __init__(self, records, parse: Callable):
         if not (hasattr(records, "__len__") and hasattr(records, "__getitem__")):
