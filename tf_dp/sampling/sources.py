@@ -291,6 +291,7 @@ class ExampleSource:
         ``fit(validation_split=...)`` trains on; the rest is never sampled."""
         if not 0 < count <= len(self):
             raise ValueError(f"first({count}) of a source of {len(self)} examples.")
+        self.unreadable_log()  # shared with the copy: what the copy's reads meet, fit reports
         source = copy.copy(self)
         source._count = count
         source.extras = {name: column[:count] for name, column in self.extras.items()}
@@ -302,6 +303,7 @@ class ExampleSource:
         for name, column in extras.items():
             if num_rows(column) != len(self):
                 raise ValueError(f"`{name}` has {num_rows(column)} rows but the source has {len(self)} examples.")
+        self.unreadable_log()  # shared with the copy
         source = copy.copy(self)
         source.extras = extras
         return source
