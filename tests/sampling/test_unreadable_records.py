@@ -153,3 +153,21 @@ def test_a_user_with_one_unreadable_example_contributes_nothing_and_is_counted_o
                                     tf.constant(0, tf.int64), log)
     np.testing.assert_array_equal(masked.numpy(), [[1.0, 0.0, 1.0, 0.0]])
     assert log.total() == 1 and log.total(below_step=7) == 0  # step 7 read ahead, not trained: left out
+
+
+def test_serialized_read_names_each_bad_record_and_keeps_every_good_row():
+    """Two bad records among 20 read with 4 padding slots: the good rows equal the records
+    decoded by numpy, the bad and padding rows are zeros, and only the bad are unreadable."""
+    x, y = data()
+    records = Serialized(x, y, None)
+    records.rows[3], records.rows[11] = b"\x00", "text"
+    source = SerializedSource(records, parse)
+    indices = np.concatenate([np.arange(20), np.zeros(4, np.int64)])
+    mask = np.concatenate([np.ones(20), np.zeros(4)]).astype("float32")
+    read_x, read_y, _, unreadable = source.read_tolerant(indices, mask)
+    assert np.flatnonzero(unreadable).tolist() == [3, 11]
+    for slot in range(24):
+        expected = x[slot] if slot < 20 and slot not in (3, 11) else np.zeros(FEATURES, np.float32)
+        np.testing.assert_array_equal(read_x[slot], expected)
+    np.testing.assert_array_equal(read_y[:3], y[:3])
+    assert set(source.unreadable_log().named()) == {3, 11}
