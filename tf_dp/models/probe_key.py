@@ -19,12 +19,17 @@ all of these are unchanged:
     changed in place re-probes;
   * the probed rows: their count m, and a blake2b digest of the head rows the probe reads
     (structure, dtypes, shapes and bytes), so another data set, other shapes (a recompile for
-    other inputs) or a new ``train_on_batch`` batch re-probe.
+    other inputs) or a new ``train_on_batch`` batch re-probe;
+  * the ledger's current phase (scheme, q, N, L, parameter, segment; not σ, which a schedule
+    changes step by step): ``train_on_batch`` after a ``fit`` or under a new declared batch
+    size probes again.
 
 Objects are held weakly (``_Identity``): a key whose object was collected matches nothing, so
 an address reused by a new object never revives an old verdict. Variable values are not part
 of the key (they change every step): a layer that mixes rows only for some weight values is
-outside the probe (module docstring of ``row_independence``, limits).
+outside the probe (module docstring of ``row_independence``, limits). Only ``train_on_batch``
+reuses verdicts by this key; ``fit`` probes on every call, and every trace of the step probes
+again (``row_independence.reprobe_on_trace``).
 """
 
 from __future__ import annotations
@@ -87,7 +92,17 @@ def verdict_key(model, per_example_loss, head, rows: int, key_contents: bool = T
     layers = tuple(_layer_key(layer) for layer in model._flatten_layers(include_self=True))
     variables = tuple((_Identity(v), tuple(v.shape), str(v.dtype), bool(v.trainable)) for v in model.variables)
     return (layers, variables, _value_key(per_example_loss, LOSS_DEPTH), int(rows),
-            rows_digest(head, contents=key_contents))
+            rows_digest(head, contents=key_contents), _phase_key(model))
+
+
+def _phase_key(model) -> tuple:
+    """The settings of the model's current ledger phase, σ excepted; () without a ledger or phase."""
+    ledger = getattr(model, "privacy_ledger", None)
+    phase = None if ledger is None else ledger.current_phase()
+    if phase is None:
+        return ()
+    return (phase.scheme, float(phase.sampling_rate), int(phase.num_examples), float(phase.expected_batch_size),
+            float(phase.parameter), int(phase.segment))
 
 
 def rows_digest(structure, contents: bool = True) -> bytes:
