@@ -6,8 +6,11 @@ j ≠ k whenever X' is X with row k changed, REMOVED or added (add/remove adjace
 the batch size B; docs/algorithms.md §1). ``validate`` refuses the Keras layers known to
 break this (BatchNormalization, MixUp, ...); this guard tests the property itself on the
 first ``GUARD_ROWS`` real examples W (the head of the data, the first batch of a batched
-dataset or of ``train_on_batch``), before the first DP step, again whenever the model, the
-loss or those rows change (the verdict's key: ``tf_dp.models.probe_key``):
+dataset or of ``train_on_batch``) before DP steps run: on every ``fit``, and again whenever
+the DP step is traced (``reprobe_on_trace``, from the step's Python body: a trace re-reads
+Python globals and attributes no key holds); ``train_on_batch`` reuses a passed verdict while
+its key (``tf_dp.models.probe_key``: model, loss, the rows' shapes, the ledger's phase) is
+unchanged:
 
   * changed rows (same B, bit-identical): for each bit t of the row index, the rows S whose
     bit t is 1 (then 0) are replaced by other real examples; every row outside S keeps its
@@ -30,7 +33,11 @@ is still not reproducible (randomness outside Keras seed generators, e.g. an uns
 tf.random op), the comparison falls back to ``training=False`` with a warning (a layer
 mixing rows only in training would then pass); if even that is not reproducible the guard
 warns that it could not check. A training-mode call must also update no non-trainable
-state (a running mean of private rows would be released un-noised). On a failure the probe
+state (a running mean of private rows would be released un-noised), nor add a loss
+(``add_loss``: the DP step clips and noises the compiled per-example loss only, so the term
+would be dropped). In a model with float16/bfloat16 layers the batch-size probes run with
+every layer computing in float32 (``_computing_in_float32``); the same-size probes compare the
+model's own dtypes bit for bit. On a failure the probe
 is re-run recording every layer's inputs, outputs and their gradients, and the error names
 the innermost layer whose output (or input gradient) moves while its inputs (or output
 gradient) do not.
@@ -38,7 +45,10 @@ gradient) do not.
 Limits — a test, not a proof: a layer that mixes rows only for a value that appears in no
 probed row (an example beyond the first ``GUARD_ROWS``), only at batch sizes the probe
 does not try (B > ``GUARD_ROWS`` + ``DONOR_SEARCH``, or exactly the training size), or by
-an amount below ``SIZE_TOLERANCE`` when B changes, passes it.
+an amount below ``SIZE_TOLERANCE`` when B changes, passes it. So does a change between two
+probes of a value the step reads as it runs: a variable read by a layer's control flow set by
+a callback mid-``fit``, moved by training, or set between ``train_on_batch`` calls of one
+phase; with ``run_eagerly=True`` (no trace) a Python global changed mid-``fit``.
 """
 
 from __future__ import annotations
