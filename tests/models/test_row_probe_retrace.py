@@ -42,11 +42,12 @@ class CentreIfGlobal(keras.layers.Layer):
         return inputs - tf.reduce_mean(inputs, axis=0, keepdims=True) if CENTRE_AT_TRACE else inputs
 
 
-def model_with(layer):
+def model_with(layer, jit_compile=False):
     keras.utils.set_random_seed(0)
     model = tf_dp.DPSequential([keras.Input((FEATURES,)), layer, keras.layers.Dense(8, activation="tanh"),
                                 keras.layers.Dense(CLASSES)])
-    model.compile(optimizer=tf_dp.DPSGD(RATE, l2_norm_clip=CLIP, noise_multiplier=0.0), loss=sparse_ce)
+    model.compile(optimizer=tf_dp.DPSGD(RATE, l2_norm_clip=CLIP, noise_multiplier=0.0), loss=sparse_ce,
+                  jit_compile=jit_compile)
     return model
 
 
@@ -126,10 +127,11 @@ class SetGlobalOnTrainBegin(keras.callbacks.Callback):
         globals()["CENTRE_AT_TRACE"] = True
 
 
-def test_a_global_set_after_the_fits_probe_is_probed_when_the_step_is_traced(monkeypatch):
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_global_set_after_the_fits_probe_is_probed_when_the_step_is_traced(monkeypatch, jit_compile):
     monkeypatch.setitem(globals(), "CENTRE_AT_TRACE", False)
     layer = CentreIfGlobal(name="centre_if_global")
-    model = model_with(layer)
+    model = model_with(layer, jit_compile)
     x, y = data()
     assert_refused_or_within_clip(model, layer, x, y, monkeypatch, callbacks=[SetGlobalOnTrainBegin()])
 
