@@ -194,7 +194,7 @@ def test_every_fit_is_probed_and_an_unchanged_train_on_batch_loop_is_not(probe_r
         fit(model, x, y)
         assert len(probe_runs) > probed
     model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)
-    model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)  # the ledger's phase is now "batches"
+    model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)  # the phase last opened is now "batches"
     probed = len(probe_runs)
     # train_on_batch keys its batches by structure, dtypes and shapes (not values): a loop over
     # new batches is not probed on every call

@@ -20,9 +20,9 @@ all of these are unchanged:
   * the probed rows: their count m, and a blake2b digest of the head rows the probe reads
     (structure, dtypes, shapes and bytes), so another data set, other shapes (a recompile for
     other inputs) or a new ``train_on_batch`` batch re-probe;
-  * the ledger's current phase (scheme, q, N, L, parameter, segment; not σ, which a schedule
-    changes step by step): ``train_on_batch`` after a ``fit`` or under a new declared batch
-    size probes again.
+  * the phase the model last opened (scheme, q, N, L, parameter; not σ, which a schedule
+    changes step by step): ``train_on_batch`` after a ``fit``, or after a call that declared a
+    new batch size, probes again.
 
 Objects are held weakly (``_Identity``): a key whose object was collected matches nothing, so
 an address reused by a new object never revives an old verdict. Variable values are not part
@@ -96,13 +96,9 @@ def verdict_key(model, per_example_loss, head, rows: int, key_contents: bool = T
 
 
 def _phase_key(model) -> tuple:
-    """The settings of the model's current ledger phase, σ excepted; () without a ledger or phase."""
-    ledger = getattr(model, "privacy_ledger", None)
-    phase = None if ledger is None else ledger.current_phase()
-    if phase is None:
-        return ()
-    return (phase.scheme, float(phase.sampling_rate), int(phase.num_examples), float(phase.expected_batch_size),
-            float(phase.parameter), int(phase.segment))
+    """The settings of the phase the model's last ``fit``/``train_on_batch`` opened (scheme,
+    q, N, L, parameter; ``DPFitting._open_phase``), () before any: host values, no ledger read."""
+    return tuple(getattr(model, "_phase_arguments", None) or ())
 
 
 def rows_digest(structure, contents: bool = True) -> bytes:
