@@ -8,13 +8,17 @@ A ``fit`` pays one probe, plus one more if it traces its step; a ``train_on_batc
 one per re-trace or new phase (docs/algorithms.md §1.2).
 """
 
+import pathlib
+import sys
 import time
 
-import keras
-import numpy as np
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's tf_dp
 
-import tf_dp
-from tf_dp.models import row_independence
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tf_dp  # noqa: E402
+from tf_dp.models import row_independence  # noqa: E402
 
 REPEATS = 5
 
