@@ -9,7 +9,7 @@ first ``GUARD_ROWS`` real examples W (the head of the data, the first batch of a
 dataset or of ``train_on_batch``) before DP steps run: on every ``fit``, and again whenever
 the DP step is traced (``reprobe_on_trace``, from the step's Python body: a trace re-reads
 Python globals and attributes no key holds); ``train_on_batch`` reuses a passed verdict while
-its key (``tf_dp.models.probe_key``: model, loss, the rows' shapes, the ledger's phase) is
+its key (``tf_dp.models.probe_key``: model, loss, the rows' shapes, the phase last opened) is
 unchanged:
 
   * changed rows (same B, bit-identical): for each bit t of the row index, the rows S whose
@@ -106,7 +106,7 @@ def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=Non
     on values no key holds (a variable read by a layer's control flow, a Python global read
     at trace time). ``train_on_batch`` (``key_contents=False``) reuses a passed verdict while
     its key is unchanged — the model's layers and variables, the loss, m, the probed rows'
-    structure, dtypes and shapes, and the ledger's phase (``tf_dp.models.probe_key``) — so a
+    structure, dtypes and shapes, and the phase last opened (``tf_dp.models.probe_key``) — so a
     loop over batches pays a lookup per call; a re-traced step is probed again at trace
     time (``reprobe_on_trace``).
 
