@@ -179,34 +179,44 @@ def test_rows_first_seen_in_the_next_fit_are_probed():
         fit(model, magic_x, magic_y)
 
 
-def test_an_unchanged_model_is_not_probed_again(probe_runs):
+def test_every_fit_is_probed_and_an_unchanged_train_on_batch_loop_is_not(probe_runs):
+    """fit probes on every call (and the step again whenever it is traced: what it computes
+    may depend on values no key holds); train_on_batch reuses the verdict by key."""
     model = sequential(RollWhenEnabled(), keras.layers.Dropout(0.2))
     x, y = data()
     fit(model, x, y)
-    assert len(probe_runs) == 1
+    assert len(probe_runs) == 2  # fit's own probe, and the first trace of its step
     model.evaluate(x, y, verbose=0)
     model.predict(x, verbose=0)
-    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, validation_data=(x, y))
-    fit(model, x, y)
-    assert len(probe_runs) == 1
-    model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)  # another shape of rows: probed once
+    assert len(probe_runs) == 2
+    for _ in range(2):
+        probed = len(probe_runs)
+        fit(model, x, y)
+        assert len(probe_runs) > probed
     model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)
+    model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)  # the phase last opened is now "batches"
+    probed = len(probe_runs)
     # train_on_batch keys its batches by structure, dtypes and shapes (not values): a loop over
     # new batches is not probed on every call
-    model.train_on_batch(x[BATCH:2 * BATCH], y[BATCH:2 * BATCH], batch_size=BATCH)
-    assert len(probe_runs) == 2
+    for start in range(0, ROWS, BATCH):
+        model.train_on_batch(x[start:start + BATCH], y[start:start + BATCH], batch_size=BATCH)
+    assert len(probe_runs) == probed
 
 
 def test_a_changed_loss_is_probed_again(probe_runs):
     loss = CrossEntropyPlusNeighbour()
     model = sequential(loss=loss)
     x, y = data()
-    fit(model, x, y)
+    for _ in range(3):
+        model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)
+    probed = len(probe_runs)
     compile_dp(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    fit(model, x, y)
-    assert len(probe_runs) == 2
-    fit(model, x, y)
-    assert len(probe_runs) == 2
+    model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)
+    assert len(probe_runs) > probed
+    probed = len(probe_runs)
+    for _ in range(2):
+        model.train_on_batch(x[:BATCH], y[:BATCH], batch_size=BATCH)
+    assert len(probe_runs) == probed
 
 
 def test_verdicts_hold_their_model_weakly():

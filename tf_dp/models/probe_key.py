@@ -19,12 +19,17 @@ all of these are unchanged:
     changed in place re-probes;
   * the probed rows: their count m, and a blake2b digest of the head rows the probe reads
     (structure, dtypes, shapes and bytes), so another data set, other shapes (a recompile for
-    other inputs) or a new ``train_on_batch`` batch re-probe.
+    other inputs) or a new ``train_on_batch`` batch re-probe;
+  * the phase the model last opened (scheme, q, N, L, parameter; not σ, which a schedule
+    changes step by step): ``train_on_batch`` after a ``fit``, or after a call that declared a
+    new batch size, probes again.
 
 Objects are held weakly (``_Identity``): a key whose object was collected matches nothing, so
 an address reused by a new object never revives an old verdict. Variable values are not part
 of the key (they change every step): a layer that mixes rows only for some weight values is
-outside the probe (module docstring of ``row_independence``, limits).
+outside the probe (module docstring of ``row_independence``, limits). Only ``train_on_batch``
+reuses verdicts by this key; ``fit`` probes on every call, and every trace of the step probes
+again (``row_independence.reprobe_on_trace``).
 """
 
 from __future__ import annotations
@@ -87,7 +92,13 @@ def verdict_key(model, per_example_loss, head, rows: int, key_contents: bool = T
     layers = tuple(_layer_key(layer) for layer in model._flatten_layers(include_self=True))
     variables = tuple((_Identity(v), tuple(v.shape), str(v.dtype), bool(v.trainable)) for v in model.variables)
     return (layers, variables, _value_key(per_example_loss, LOSS_DEPTH), int(rows),
-            rows_digest(head, contents=key_contents))
+            rows_digest(head, contents=key_contents), _phase_key(model))
+
+
+def _phase_key(model) -> tuple:
+    """The settings of the phase the model's last ``fit``/``train_on_batch`` opened (scheme,
+    q, N, L, parameter; ``DPFitting._open_phase``), () before any: host values, no ledger read."""
+    return tuple(getattr(model, "_phase_arguments", None) or ())
 
 
 def rows_digest(structure, contents: bool = True) -> bytes:

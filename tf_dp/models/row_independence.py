@@ -6,8 +6,11 @@ j ≠ k whenever X' is X with row k changed, REMOVED or added (add/remove adjace
 the batch size B; docs/algorithms.md §1). ``validate`` refuses the Keras layers known to
 break this (BatchNormalization, MixUp, ...); this guard tests the property itself on the
 first ``GUARD_ROWS`` real examples W (the head of the data, the first batch of a batched
-dataset or of ``train_on_batch``), before the first DP step, again whenever the model, the
-loss or those rows change (the verdict's key: ``tf_dp.models.probe_key``):
+dataset or of ``train_on_batch``) before DP steps run: on every ``fit``, and again whenever
+the DP step is traced (``reprobe_on_trace``, from the step's Python body: a trace re-reads
+Python globals and attributes no key holds); ``train_on_batch`` reuses a passed verdict while
+its key (``tf_dp.models.probe_key``: model, loss, the rows' shapes, the phase last opened) is
+unchanged:
 
   * changed rows (same B, bit-identical): for each bit t of the row index, the rows S whose
     bit t is 1 (then 0) are replaced by other real examples; every row outside S keeps its
@@ -30,7 +33,11 @@ is still not reproducible (randomness outside Keras seed generators, e.g. an uns
 tf.random op), the comparison falls back to ``training=False`` with a warning (a layer
 mixing rows only in training would then pass); if even that is not reproducible the guard
 warns that it could not check. A training-mode call must also update no non-trainable
-state (a running mean of private rows would be released un-noised). On a failure the probe
+state (a running mean of private rows would be released un-noised), nor add a loss
+(``add_loss``: the DP step clips and noises the compiled per-example loss only, so the term
+would be dropped). In a model with float16/bfloat16 layers the batch-size probes run with
+every layer computing in float32 (``_computing_in_float32``); the same-size probes compare the
+model's own dtypes bit for bit. On a failure the probe
 is re-run recording every layer's inputs, outputs and their gradients, and the error names
 the innermost layer whose output (or input gradient) moves while its inputs (or output
 gradient) do not.
@@ -38,7 +45,10 @@ gradient) do not.
 Limits — a test, not a proof: a layer that mixes rows only for a value that appears in no
 probed row (an example beyond the first ``GUARD_ROWS``), only at batch sizes the probe
 does not try (B > ``GUARD_ROWS`` + ``DONOR_SEARCH``, or exactly the training size), or by
-an amount below ``SIZE_TOLERANCE`` when B changes, passes it.
+an amount below ``SIZE_TOLERANCE`` when B changes, passes it. So does a change between two
+probes of a value the step reads as it runs: a variable read by a layer's control flow set by
+a callback mid-``fit``, moved by training, or set between ``train_on_batch`` calls of one
+phase; with ``run_eagerly=True`` (no trace) a Python global changed mid-``fit``.
 """
 
 from __future__ import annotations
@@ -69,6 +79,8 @@ SIZE_TOLERANCE = 1e-4  # relative, for values compared across batch sizes (float
 VERDICTS_KEPT = 8  # passed keys remembered per model (train_on_batch alternating between batches)
 
 _checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → its passed verdict keys
+_latest: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → the rows of its last check (_ProbedRows)
+_traced: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → the trace last probed (weakref)
 
 
 @dataclasses.dataclass
@@ -87,35 +99,95 @@ class _Probe:
 def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=None, rows: int = GUARD_ROWS,
                            key_contents: bool = True) -> None:
     """Raises ValueError if changing, removing or adding examples of a small batch changes
-    another example's output, loss or gradient (see module docstring). ``x, y``: the
-    training arrays (or tensors), or a batched tf.data.Dataset of (x, y), whose first
-    batch is used. A passed verdict is reused only while its key is unchanged: the model's
-    layers and variables, the loss, m and a digest of the probed rows
-    (``tf_dp.models.probe_key``); anything else probes again.
+    another example's output, loss or gradient, or if the training forward pass adds a loss
+    (``add_loss``), which the DP step would drop (see module docstring).
+
+    ``fit`` (``key_contents=True``) probes on every call: what the step computes may depend
+    on values no key holds (a variable read by a layer's control flow, a Python global read
+    at trace time). ``train_on_batch`` (``key_contents=False``) reuses a passed verdict while
+    its key is unchanged — the model's layers and variables, the loss, m, the probed rows'
+    structure, dtypes and shapes, and the phase last opened (``tf_dp.models.probe_key``) — so a
+    loop over batches pays a lookup per call; a re-traced step is probed again at trace
+    time (``reprobe_on_trace``).
 
     Args:
       model: the Keras model (built here on a few rows if needed).
       per_example_loss: ℓ(y, ŷ) → one loss per example, or None (outputs only).
-      x, y: the examples; their first ``rows`` are probed, the next ``DONOR_SEARCH`` are
+      x, y: the training arrays (or tensors), or a batched tf.data.Dataset of (x, y), whose
+        first batch is used; their first ``rows`` are probed, the next ``DONOR_SEARCH`` are
         the replacements and the larger batch.
       rows: m, the size of the probed batch W.
-      key_contents: key the verdict on the probed rows' values too (fit: once per call);
-        False keys their structure, dtypes and shapes only (``train_on_batch``, called per
-        batch: new values alone do not re-probe).
+      key_contents: True for ``fit`` (probe on every call; a verdict is keyed on the rows'
+        values too); False for ``train_on_batch`` (reuse by key; rows keyed by structure,
+        dtypes and shapes only, new values alone do not re-probe).
     """
     head = _probed_head(per_example_loss, x, y, rows)
     if head is None:  # fewer than 2 rows: nothing to compare
         return
     if not model.built:
         model(_take(head, np.arange(min(3, num_rows(head[0]))))[0], training=False)
-    verdicts = _checked.get(model, [])
-    if verdict_key(model, per_example_loss, head, rows, key_contents) in verdicts:
+    _latest[model] = _ProbedRows(head, rows, key_contents)  # what a re-traced step is probed on
+    if not key_contents and _verdict_key(model, per_example_loss, _latest[model]) in _checked.get(model, []):
         return
+    _probe(model, per_example_loss, _latest[model])
+
+
+def reprobe_on_trace(model, per_example_loss: Optional[Callable]) -> None:
+    """Probes ``model`` again while its DP step is being traced (called from the step's
+    Python body, which runs only at trace time: nothing is added to the compiled step).
+
+    A re-trace re-reads whatever the step's Python code reads — a Python global, an
+    attribute no key holds — so the verdict of the last probe may not describe the new
+    graph. The probe runs eagerly (``tf.init_scope``) on the rows of the model's last
+    ``check_rows_independent`` call, once per trace (the replicas of a tf.distribute step
+    share one); a refusal raises from the trace, before the step runs. Eager execution
+    (``run_eagerly=True``) has no trace: nothing is done. A model never probed (a step
+    outside ``fit``/``train_on_batch``) has no rows to probe on: nothing is done either.
+
+    Args:
+      model: the DP model whose step is traced.
+      per_example_loss: the loss the step clips (the model's compiled per-example loss).
+    """
+    if tf.executing_eagerly():
+        return
+    probed = _latest.get(model)
+    trace = _outermost_graph()
+    seen = _traced.get(model)
+    if probed is None or (seen is not None and seen() is trace):
+        return
+    with tf.init_scope():
+        _probe(model, per_example_loss, probed)
+    _traced[model] = weakref.ref(trace)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProbedRows:
+    """The rows a probe read (numpy (x, y), W and its donors), m, and how its verdict is keyed."""
+    head: tuple
+    rows: int
+    key_contents: bool
+
+
+def _probe(model, per_example_loss, probed: _ProbedRows) -> None:
+    """Runs the probe on ``probed`` (refusing by ValueError) and records a passed verdict."""
     with total_embedding_lookups(model):  # ids out of range look up zeros, as in the DP step
-        checked = _check(model, per_example_loss, *head, rows)
+        checked = _check(model, per_example_loss, *probed.head, probed.rows)
     if checked:  # the key after the probe: the loss resolves by shapes on first use
-        verdicts = [*verdicts, verdict_key(model, per_example_loss, head, rows, key_contents)][-VERDICTS_KEPT:]
+        verdicts = [*_checked.get(model, []), _verdict_key(model, per_example_loss, probed)][-VERDICTS_KEPT:]
         _checked[model] = verdicts
+
+
+def _verdict_key(model, per_example_loss, probed: _ProbedRows) -> tuple:
+    return verdict_key(model, per_example_loss, probed.head, probed.rows, probed.key_contents)
+
+
+def _outermost_graph():
+    """The graph of the outermost function being traced (replicas and nested functions of
+    one trace share it)."""
+    graph = tf.compat.v1.get_default_graph()
+    while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):  # a function graph inside another
+        graph = graph.outer_graph
+    return graph
 
 
 def _probed_head(per_example_loss, x, y, rows: int):
@@ -136,6 +208,8 @@ def _check(model, per_example_loss, x, y, rows: int) -> bool:
     count = num_rows(x)
     batch = _take((x, y), np.arange(min(rows, count)))
     probes = _probes((x, y), num_rows(batch[0]), RANDOM_DRAWS)
+    sized = [p for p in probes if not p.same_size] if _sixteen_bit_layers(model) else []  # run in float32
+    probes = [p for p in probes if not any(p is q for q in sized)]
     gradients = per_example_loss is not None and y is not None and bool(model.trainable_variables)
     first = _base(model, per_example_loss, batch, [p for p in probes if p.draw == 0], True, 0, gradients,
                   check_state=True)
@@ -159,7 +233,44 @@ def _check(model, per_example_loss, x, y, rows: int) -> bool:
         base = first if draw == 0 and first is not None else _base(model, per_example_loss, batch, chosen, training,
                                                                    draw, gradients)
         _require_rows_unmoved(model, per_example_loss, batch, chosen, training, draw, base)
+    if sized:
+        with _computing_in_float32(model):
+            base = _base(model, per_example_loss, batch, sized, training, 0, gradients)
+            _require_rows_unmoved(model, per_example_loss, batch, sized, training, 0, base)
     return True
+
+
+# ------------------------------------------------------- 16-bit compute dtypes
+_SIXTEEN_BIT = frozenset({"float16", "bfloat16"})
+
+
+def _sixteen_bit_layers(model) -> list:
+    """The layers of ``model`` (itself included) that compute in float16 or bfloat16."""
+    return [layer for layer in model._flatten_layers(include_self=True)
+            if str(getattr(layer, "compute_dtype", None)) in _SIXTEEN_BIT]
+
+
+@contextlib.contextmanager
+def _computing_in_float32(model):
+    """Every 16-bit layer of ``model`` computes in float32 (variables unchanged) inside the
+    block; the layers' own policies are restored after it, also when it raises.
+
+    The batch-size probes compare rows across batch sizes, where kernels may sum in another
+    order: in bfloat16 (8 significant bits) that moves a weight gradient by ~2⁻⁸ relative,
+    more than any tolerance that still catches a small dependence on B. What they test —
+    whether a row reads the batch's size — does not depend on the float width, so they run
+    in float32 with float32's tolerance; the same-size probes, bit for bit, run in the
+    model's own dtypes."""
+    swapped = [(layer, layer._dtype_policy) for layer in _sixteen_bit_layers(model)
+               if isinstance(layer._dtype_policy, keras.DTypePolicy)
+               and getattr(layer._dtype_policy, "quantization_mode", None) is None]
+    try:
+        for layer, _ in swapped:
+            layer._dtype_policy = keras.DTypePolicy("float32")
+        yield
+    finally:
+        for layer, policy in swapped:
+            layer._dtype_policy = policy
 
 
 # ------------------------------------------------------------------ the probes
@@ -215,13 +326,15 @@ def _row_weights(rows: int) -> np.ndarray:
 def _base(model, per_example_loss, batch, probes: list, training: bool, draw: int, gradients: bool,
           check_state: bool = False) -> tuple:
     """(values, per-probe weights of W's rows, per-probe ∇θ Σ_compared v ℓ) of W itself;
-    ``check_state``: also refuse non-trainable state the (training-mode) pass updates."""
+    ``check_state``: also refuse non-trainable state the (training-mode) pass updates and
+    losses it adds (``add_loss``)."""
     v = _row_weights(_max_rows(batch, probes))
     rows = num_rows(batch[0])
     weights = [_weights_on(p.compared, v[p.compared], rows) if gradients and p.weighted else None for p in probes]
     scopes = [] if check_state else None
     values, base_gradients = _evaluate(model, per_example_loss, batch, training, draw, weights, scopes)
     if check_state:
+        _require_no_added_losses(model, scopes[0][0])
         _require_no_state_updates(model, scopes[0])
     return values, weights, base_gradients
 
@@ -426,7 +539,8 @@ def _evaluate(model, per_example_loss, batch, training: bool, draw: int, weighti
     values, the seed states shifted by ``draw`` (identical randomness for equal ``draw``, no
     state updated). Returns the (name, values) of every output leaf and of ℓ, and for each
     weight vector w in ``weightings`` (or None) the flat float64 ∇θ Σ_j w_j ℓ_j (None if an
-    op has no gradient). ``scopes``: a list that receives the StatelessScope (its updates)."""
+    op has no gradient). ``scopes``: a list that receives the StatelessScope (its updates and,
+    then collected, the losses layers added)."""
     x, y = batch
     with_loss = per_example_loss is not None and y is not None
     watched = {id(v): tf.convert_to_tensor(v.value) for v in model.trainable_variables} \
@@ -436,7 +550,7 @@ def _evaluate(model, per_example_loss, batch, training: bool, draw: int, weighti
     with tape:
         if watched:
             tape.watch(list(watched.values()))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=scopes is not None) as scope:
             outputs = model(x, training=training)
             values = [("output", np.asarray(o)) for o in tf.nest.flatten(outputs)]
             totals = [None] * len(weightings)
@@ -489,6 +603,25 @@ def _require_no_state_updates(model, scope_and_mapping) -> None:
             f"This model updates non-trainable state from the training batch ({', '.join(updated)}): that state is "
             "an exact function of private examples, released with the model without noise. Remove the update (or "
             "make the layer stateless), as for BatchNormalization's moving statistics.")
+
+
+def _require_no_added_losses(model, scope) -> None:
+    """Refuses layers that call ``add_loss`` in the training forward pass: the DP step
+    clips and noises the per-example loss only, so such a term would be dropped (a loss on
+    batch data would be an unclipped, un-noised function of private rows if it were kept).
+    ``scope``: the training-mode pass's StatelessScope, which collected the added losses."""
+    if not scope.losses:
+        return
+    added = {id(loss) for loss in scope.losses}
+    layers = [layer for layer in model._flatten_layers(include_self=True)
+              if added & set(getattr(layer, "_loss_ids", ()))]
+    names = ", ".join(f"'{layer.name}' ({type(layer).__name__})" for layer in layers) or "a layer of the model"
+    raise ValueError(
+        f"{names} calls add_loss() in the training forward pass. The DP step clips and noises each example's loss "
+        "from compile(loss=...) only, so an added loss would be silently dropped (and a loss computed from the "
+        "batch would be neither clipped nor noised). Fix: remove the add_loss call — for a penalty on weights use "
+        "a weight regularizer (kernel_regularizer=..., applied after the noise); for a per-example term, return it "
+        "as an extra model output and add it to that example's loss.")
 
 
 def _seed_states(model) -> set:

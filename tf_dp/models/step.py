@@ -21,6 +21,7 @@ from tf_dp.models.data import is_poisson_batch
 from tf_dp.models.losses import WeightedTargets, class_weights_of, unpack_targets, without_unused_targets
 from tf_dp.models.objective import COMPILED_LOSS, PerExampleObjective
 from tf_dp.models.plan import StepPlan, class_weight_table
+from tf_dp.models.row_independence import reprobe_on_trace
 from tf_dp.optimizers import DPOptimizer
 
 
@@ -55,6 +56,7 @@ class DPTrainStep:
           (logs, release): the step's logs and its release factor (1 if the step was
           released, 0 if the budget or the full ledger refused it: nothing was applied).
         """
+        reprobe_on_trace(self, self._dp_loss)  # Python, so at trace time only: the verdict must describe this graph
         optimizer, ledger = self.optimizer, self._ledger_of_plan()
         dp_step, sigma = ledger.steps.read_value(), optimizer.noise_multiplier_tensor()
         points = optimizer.evaluation_points(self.trainable_variables)
