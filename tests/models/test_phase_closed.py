@@ -34,14 +34,14 @@ def data():
     return rng.normal(size=(N, FEATURES)).astype("float32"), rng.integers(0, CLASSES, N).astype("int32")
 
 
-def model(noise="gaussian", jit_compile=False, seed=None):
+def model(noise="gaussian", jit_compile=False, seed=None, **compile_options):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((FEATURES,))
     dp = tf_dp.DPModel(inputs, keras.layers.Dense(CLASSES)(inputs))
     noise = BandMF(BANDS) if noise == "bandmf" else None
     dp.compile(optimizer=tf_dp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=SIGMA, noise=noise, seed=seed),
                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), delta=DELTA,
-               jit_compile=jit_compile)
+               jit_compile=jit_compile, **compile_options)
     return dp
 
 
@@ -112,6 +112,20 @@ def test_a_loop_of_ones_own_after_fit_is_refused_and_releases_nothing(noise, jit
         warnings.simplefilter("ignore")
         dp.fit(x, y, batch_size=L, steps_per_epoch=1, epochs=1, verbose=0)
     assert int(dp.privacy_ledger.steps.numpy()) == FIT_STEPS + 1
+
+
+def test_run_eagerly_fit_trains_and_a_loop_after_it_is_refused():
+    """Keras runs the train function as Python (run_eagerly=True): the step runs per call
+    inside the wrapper's execution, and after fit the eager step is refused."""
+    x, y = data()
+    dp = model(run_eagerly=True)
+    dp.fit(x, y, batch_size=L, steps_per_epoch=2, epochs=1, verbose=0)
+    before = state(dp)
+    assert before[2] == [("poisson", 2)]
+    for name, loop in loops_of_ones_own(dp).items():
+        with pytest.raises(RuntimeError, match=REFUSED):
+            loop()
+    assert_unchanged(dp, before)
 
 
 def test_a_step_traced_by_a_callback_during_fit_is_refused_then_and_after():

@@ -96,11 +96,11 @@ class DPTrainStep:
             ledger, optimizer = self._ledger_of_plan(), self.optimizer
             self.reopen_phase_if_ledger_replaced()  # a callback loaded another file since the last execution
             optimizer.guard_noise_counter(int(ledger.steps.numpy()), ledger)
-            door.executing = True
+            executing, door.executing = door.executing, True
             try:
                 logs = function(*args, **kwargs)
             finally:
-                door.executing = False
+                door.executing = executing
             optimizer.record_noise_counter(int(ledger.steps.numpy()))
             self.ledger_after_execution()
             refused = logs.pop(REFUSED_LOG, None) if isinstance(logs, dict) else None
