@@ -2,6 +2,8 @@
 norms, a read-recording source and a small DP classifier. Every test file imports them from here
 (`from tests.harness import ...`); tests/conftest.py holds only pytest hooks and fixtures."""
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -51,3 +53,20 @@ def small_dp_classifier(features: int, classes: int, sigma: float, engine: str =
     model.compile(optimizer=tf_dp.DPSGD(0.2, l2_norm_clip=0.5, noise_multiplier=sigma, seed=3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), clipping_engine=engine)
     return model
+
+
+@contextlib.contextmanager
+def reference_steps(*models):
+    """Test only: lets ``model.train_step`` run outside ``fit``/``train_on_batch`` for the block,
+    as a REFERENCE computation (the one-device or hand-fed twin a fit is compared with, a step
+    fed a hand-made batch). tf_dp refuses such steps of a user's own loop
+    (tf_dp.models.step.StepDoor; tests/models/test_phase_closed.py); this opens that door by hand."""
+    doors = [model._step_door for model in models]
+    previous = [(door.phase_open, door.executing) for door in doors]
+    for door in doors:
+        door.phase_open = door.executing = True
+    try:
+        yield
+    finally:
+        for door, (phase_open, executing) in zip(doors, previous):
+            door.phase_open, door.executing = phase_open, executing

@@ -16,6 +16,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
 import tf_dp
+from tests.harness import reference_steps
 from tf_dp.accounting import ledger as ledger_module
 from tf_dp.accounting.accountant import RDP_ORDERS
 from tf_dp.models.step import DPTrainStep
@@ -120,14 +121,17 @@ def test_a_sigma_schedule_neither_retraces_nor_recompiles_the_xla_step(monkeypat
 
 def test_steps_no_phase_covers_give_no_epsilon():
     """train_step called directly before any fit: the step released noisy weights, but no
-    phase records its q and σ; the old ledger reported ε = 0 for it."""
+    phase records its q and σ; the old ledger reported ε = 0 for it. (Such a loop is now
+    refused before it releases, tests/models/test_phase_closed.py; the door is held open by
+    hand here to check the ledger's own refusal, a second line.)"""
     from tf_dp.models.data import poisson_dataset
 
     x, y = data()
     model = model_with(jit_compile=False)
     model._prebuild(x, y)
     before = weights(model)
-    model.train_step(next(iter(poisson_dataset(x, y, N, BATCH, None, seed=1))))
+    with reference_steps(model):
+        model.train_step(next(iter(poisson_dataset(x, y, N, BATCH, None, seed=1))))
     assert any(not np.array_equal(a, b) for a, b in zip(weights(model), before))  # it released
     with pytest.raises(ValueError, match="before any phase was recorded"):
         model.get_epsilon()

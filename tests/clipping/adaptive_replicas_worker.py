@@ -15,8 +15,12 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+# This repository's tf_dp and tests (a script's path is its own folder: an installed tf_dp would be found).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import tf_dp  # noqa: E402
 from tf_dp.models.data import distributed_poisson_dataset, poisson_dataset  # noqa: E402
+
+from tests.harness import reference_steps  # noqa: E402
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -71,13 +75,15 @@ with strategy.scope():
     mirrored.set_weights(initial)
     mirrored.compile(optimizer=adaptive_optimizer(0.0), loss=loss)
 single._prebuild(x, y)
-single.train_step(batch)
+with reference_steps(single):
+    single.train_step(batch)
 mirrored._prebuild(x, y)
 distributed = next(iter(distributed_poisson_dataset(strategy, x, y, N, L, P, seed=5)))
 results["replica_examples"] = [int(v.numpy().sum()) for v in distributed["mask"].values]
 assert sum(results["replica_examples"]) == int(mask.sum())  # the same global batch, split
 mirrored_step = tf.function(lambda d: strategy.run(mirrored.train_step, args=(d,)))
-mirrored_step(distributed)
+with reference_steps(mirrored):
+    mirrored_step(distributed)
 norms = per_example_norms(initial, batch["x"].numpy()[mask], batch["y"].numpy()[mask])
 results["norm_margin"] = float(np.min(np.abs(norms - C0)) / C0)
 below = int(np.sum(norms <= C0))
@@ -108,7 +114,8 @@ centred = below - mask.sum() / 2
 recovered, identical = [], True
 for _ in range(STEPS):
     noisy.optimizer.l2_norm_clip = C0
-    noisy_step(distributed)
+    with reference_steps(noisy):
+        noisy_step(distributed)
     values = replica_values(noisy.optimizer._l2_norm_clip)
     identical = identical and len(set(values)) == 1
     recovered.append(L * (QUANTILE - np.log(values[0] / C0) / RATE - 0.5) - centred)

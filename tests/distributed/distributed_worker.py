@@ -14,8 +14,12 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+# This repository's tf_dp and tests (a script's path is its own folder: an installed tf_dp would be found).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import tf_dp  # noqa: E402
 from tf_dp.models.data import distributed_poisson_dataset, poisson_dataset  # noqa: E402
+
+from tests.harness import reference_steps  # noqa: E402
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -46,11 +50,13 @@ with strategy.scope():
 batch = next(iter(poisson_dataset(x, y, 64, 16, None, seed=5, chunk_multiple=2)))
 results["chunks"] = [float(v) for v in batch["mask"].numpy().sum(axis=1)]
 single._prebuild(x, y)
-single.train_step(batch)
+with reference_steps(single):
+    single.train_step(batch)
 mirrored._prebuild(x, y)
 distributed = next(iter(distributed_poisson_dataset(strategy, x, y, 64, 16, None, seed=5)))
 results["chunks_per_replica"] = [float(v.numpy().sum()) for v in distributed["mask"].values]
-tf.function(lambda d: strategy.run(mirrored.train_step, args=(d,)))(distributed)
+with reference_steps(mirrored):
+    tf.function(lambda d: strategy.run(mirrored.train_step, args=(d,)))(distributed)
 try:
     mirrored.train_on_batch(x, y, batch_size=len(y))
     results["train_on_batch_refused"] = False
@@ -91,8 +97,9 @@ def three_steps(make_optimizer, under_strategy):
         model.fit(x, y, batch_size=16, epochs=3, steps_per_epoch=1, sampling_seed=9, verbose=0)
     else:
         model._prebuild(x, y)
-        for batch in poisson_dataset(x, y, 64, 16, None, seed=9).take(3):
-            model.train_step(batch)
+        with reference_steps(model):
+            for batch in poisson_dataset(x, y, 64, 16, None, seed=9).take(3):
+                model.train_step(batch)
     return model.get_weights()
 
 

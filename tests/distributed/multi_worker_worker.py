@@ -14,9 +14,13 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()  # must exist before othe
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+# This repository's tf_dp and tests (a script's path is its own folder: an installed tf_dp would be found).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import tf_dp  # noqa: E402
 keras.config.disable_traceback_filtering()
 from tf_dp.models.data import agreed_sampling_seed, distributed_poisson_dataset, poisson_dataset  # noqa: E402
+
+from tests.harness import reference_steps  # noqa: E402
 
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 rng = np.random.default_rng(0)
@@ -63,8 +67,9 @@ for name, make in {"sgd": lambda: tf_dp.DPSGD(0.1, l2_norm_clip=0.5, noise_multi
     single = compiled(make, False)
     single.set_weights(initial)
     single._prebuild(x, y)
-    for batch in poisson_dataset(x, y, 64, 16, None, seed=9).take(3):
-        single.train_step(batch)
+    with reference_steps(single):
+        for batch in poisson_dataset(x, y, 64, 16, None, seed=9).take(3):
+            single.train_step(batch)
     results[f"{name}_moved"] = float(max(np.abs(a - b).max() for a, b in zip(distributed.get_weights(), initial)))
     results[f"{name}_max_difference"] = float(max(np.abs(a - b).max()
                                                   for a, b in zip(distributed.get_weights(), single.get_weights())))

@@ -69,6 +69,7 @@ def _worker():
 
     import tf_dp
     from tf_dp.models.data import distributed_poisson_dataset, poisson_dataset
+    from tests.harness import reference_steps
     from tf_dp.raco import DemographicParity, RateConstrainedModel
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -115,7 +116,8 @@ def _worker():
     clean = single.histogram.counts(
         single(tf.reshape(batch["x"], [-1, 4])), tf.reshape(batch["groups"], [-1]), tf.reshape(batch["mask"], [-1]))
     seen = probe(single)
-    single.train_step(batch)
+    with reference_steps(single):
+        single.train_step(batch)
     results["single_histogram"] = seen.histogram.numpy().tolist()
     results["noise_size"] = float(np.abs(seen.histogram.numpy() - clean.numpy()).max())
 
@@ -129,7 +131,8 @@ def _worker():
         mirrored.train_step(data)
         return seen.histogram
 
-    per_replica = tf.function(lambda d: strategy.run(step, args=(d,)))(distributed)
+    with reference_steps(mirrored):
+        per_replica = tf.function(lambda d: strategy.run(step, args=(d,)))(distributed)
     results["replica_histograms"] = [v.numpy().tolist() for v in per_replica.values]
     for name, model in (("single", single), ("mirrored", mirrored)):
         results[f"{name}_values"] = model.constraint_values.numpy().tolist()
@@ -151,14 +154,16 @@ def _worker():
         secure.train_step(data)
         return seen.histogram
 
-    per_replica = tf.function(lambda d: strategy.run(secure_step, args=(d,)))(distributed)
+    with reference_steps(secure):
+        per_replica = tf.function(lambda d: strategy.run(secure_step, args=(d,)))(distributed)
     results["secure_histograms"] = [v.numpy().tolist() for v in per_replica.values]
 
     # fit under the strategy (2 steps) vs train_step on one device fed the batches of steps 0, 1.
     one, two = build(False), build(True)
     one._prebuild(x, y)
-    for data in poisson_dataset(x, y, n, 16, 8, 9, extras).take(2):
-        one.train_step(data)
+    with reference_steps(one):
+        for data in poisson_dataset(x, y, n, 16, 8, 9, extras).take(2):
+            one.train_step(data)
     two.fit(x, y, groups=groups, batch_size=16, physical_batch_size=8, epochs=1, steps_per_epoch=2,
             sampling_seed=9, verbose=0)
     results["fit_multipliers"] = [m.multipliers.numpy().tolist() for m in (one, two)]

@@ -25,7 +25,7 @@ from tf_dp.models.fitting import DPFitting
 from tf_dp.models.losses import per_example_loss
 from tf_dp.models.plan import StepPlan
 from tf_dp.models.reporting import PrivacyReporting
-from tf_dp.models.step import DPTrainStep
+from tf_dp.models.step import DPTrainStep, StepDoor
 from tf_dp.models.validation import check_model
 from tf_dp.optimizers import DPOptimizer
 
@@ -51,7 +51,7 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
         # The step plan (tf_dp.models.plan) is a constant of the traced step, not state to save.
         self._untracked = _Untracked(nonfinite_examples=tf.Variable(
             0.0, trainable=False, name="nonfinite_examples", aggregation=tf.VariableAggregation.SUM),
-            step_plan=StepPlan(ledger=self.privacy_ledger))
+            step_plan=StepPlan(ledger=self.privacy_ledger), step_door=StepDoor())
         self._dp = {"delta": DEFAULT_DELTA, "accountant": "rdp", "target_epsilon": None, "engine": "ghost",
                     "private_logs": False}
         self._dp_loss = None
@@ -104,9 +104,16 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
     # ---------------------------------------------------------------- saving
     def fit(self, *args, **kwargs):
         """DPFitting.fit, after refusing checkpoints that would drop the privacy ledger
-        (before any step is taken, so no budget is spent on a run that cannot be saved)."""
+        (before any step is taken, so no budget is spent on a run that cannot be saved).
+        The phase it opens closes when it returns: no DP step runs after it (``StepDoor``)."""
         _refuse_legacy_h5_callbacks(kwargs.get("callbacks", args[5] if len(args) > 5 else None))
-        return super().fit(*args, **kwargs)
+        with self._step_door.open_phase():
+            return super().fit(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        """DPFitting.train_on_batch; its phase closes when it returns (``StepDoor``)."""
+        with self._step_door.open_phase():
+            return super().train_on_batch(*args, **kwargs)
 
     def save(self, filepath, *args, **kwargs):
         """Keras ``save`` to ``.keras`` (which carries the privacy ledger); ``.h5`` is refused."""

@@ -479,7 +479,7 @@ def _static_batch_size(x) -> int:
         f"tf_dp: train_on_batch without batch_size= divides this and later noisy sums by {size}, the size of this "
         "first batch, taken as a public constant: it must not depend on the data (under add/remove adjacency a "
         "data-dependent size leaks, docs/algorithms.md §7). Pass batch_size=L to declare it.",
-        UserWarning, stacklevel=3)
+        UserWarning, stacklevel=4)  # the caller of DPModelMixin.train_on_batch
     return size
 
 

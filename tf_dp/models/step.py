@@ -34,10 +34,9 @@ class DPTrainStep:
     def train_step(self, data):
         """One DP step in the graph: clipping, N(0, σ²C²) noise, the ledger record and the
         in-step budget limit. The host checks run around the train function that ``fit`` and
-        ``train_on_batch`` call (``make_train_function``): a loop of the user's own that calls
-        ``train_step`` directly skips them — the row-independence probe, the phase (ε then
-        refuses), the noise-key guard (after ``load_weights`` of an older file such a loop
-        redraws noise already released) and the error for steps the full ledger refused."""
+        ``train_on_batch`` call (``make_train_function``), and the step runs only inside it: a
+        loop of the user's own that calls ``train_step`` (eagerly or in its own ``tf.function``)
+        is refused when it runs or traces (``StepDoor``), before anything is released."""
         if not isinstance(self.optimizer, DPOptimizer):
             raise TypeError("A DPModel trains only with a tf_dp DP optimizer; recompile with one.")
         x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
@@ -56,6 +55,7 @@ class DPTrainStep:
           (logs, release): the step's logs and its release factor (1 if the step was
           released, 0 if the budget or the full ledger refused it: nothing was applied).
         """
+        self._step_door.require_open(self.name)  # at trace time (or per eager call): Python only
         reprobe_on_trace(self, self._dp_loss)  # Python, so at trace time only: the verdict must describe this graph
         optimizer, ledger = self.optimizer, self._ledger_of_plan()
         dp_step, sigma = ledger.steps.read_value(), optimizer.noise_multiplier_tensor()
@@ -79,10 +79,13 @@ class DPTrainStep:
         """Keras' train function between two host checks.
 
         Before every execution — after every callback has run, so whatever a callback did
-        (``load_weights`` of an older file, a new seed) is seen — the noise key is guarded
-        against the ledger's current count (re-keyed on a rollback, a seeded resume refused:
-        no (key, step) pair draws noise twice); after it, the steps drawn are recorded and a
-        step the ledger could not record (it released nothing) stops training.
+        (``load_weights`` of an older file, a new seed) is seen — the call is refused unless
+        ``fit``/``train_on_batch`` hold a phase open (Keras' cached function called after they
+        returned), and the noise key is guarded against the ledger's current count (re-keyed
+        on a rollback, a seeded resume refused: no (key, step) pair draws noise twice); the
+        step may trace or run only during the execution (``StepDoor``). After it, the steps
+        drawn are recorded and a step the ledger could not record (it released nothing) stops
+        training.
         """
         super().make_train_function(force)
         function = self.train_function
@@ -90,10 +93,16 @@ class DPTrainStep:
             return function
 
         def train_function_then_check_the_ledger(*args, **kwargs):
+            door = self._step_door
+            door.require_phase(self.name)
             ledger, optimizer = self._ledger_of_plan(), self.optimizer
             self.reopen_phase_if_ledger_replaced()  # a callback loaded another file since the last execution
             optimizer.guard_noise_counter(int(ledger.steps.numpy()), ledger)
-            logs = function(*args, **kwargs)
+            executing, door.executing = door.executing, True
+            try:
+                logs = function(*args, **kwargs)
+            finally:
+                door.executing = executing
             optimizer.record_noise_counter(int(ledger.steps.numpy()))
             self.ledger_after_execution()
             refused = logs.pop(REFUSED_LOG, None) if isinstance(logs, dict) else None
@@ -116,9 +125,16 @@ class DPTrainStep:
     def test_step(self, data):
         return for_multi_worker_reduce(super().test_step(data))
 
+    @property
+    def _step_door(self) -> "StepDoor":
+        return self._untracked.step_door
+
     def _unpack_dp_batch(self, data):
         """(x, y, mask, L) with x, y, mask shaped [chunks, P, ...]. L of an explicit batch is
-        the phase's declared batch size, never the batch's realized size (docs/algorithms.md §7)."""
+        the phase's declared batch size, never the batch's realized size (docs/algorithms.md §7).
+        The first call of every train step (RaCO-DP's draws its histogram noise next): a step
+        outside fit/train_on_batch is refused here, before it computes anything."""
+        self._step_door.require_open(self.name)
         if is_poisson_batch(data):
             weight = poisson_sample_weight(data, self.step_plan.sample_weights)
             y = self._weighted_targets(data["y"], weight)
@@ -281,6 +297,55 @@ class DPTrainStep:
         with tf.GradientTape() as tape:
             penalty = self._regularization_loss()
         return tape.gradient(penalty, self.trainable_variables)
+
+
+class StepDoor:
+    """Whether a DP step may run now: a host-side flag pair owned by one model (its
+    ``_untracked``, never saved), read in Python only — no work in the compiled step.
+
+    ``fit``/``train_on_batch`` hold ``phase_open`` for their whole call (``open_phase``,
+    closed in a ``finally`` when they return or raise); the train-function wrapper refuses an
+    execution without it and sets ``executing`` around each execution. The step checks
+    ``executing`` where it runs Python: at trace time in a graph, at every call eagerly. So a
+    loop of one's own that calls ``model.train_step`` eagerly, traces it in a ``tf.function``
+    (after ``fit``, or during it from a callback, which runs between executions), or calls
+    Keras' cached ``model.train_function`` after ``fit`` returned is refused on the host
+    before anything is released (docs/algorithms.md A.2).
+    """
+
+    __slots__ = ("phase_open", "executing")
+
+    def __init__(self):
+        self.phase_open = False
+        self.executing = False
+
+    @contextlib.contextmanager
+    def open_phase(self):
+        """Holds the phase open for the block (one ``fit``/``train_on_batch`` call); nested calls restore."""
+        previous, self.phase_open = self.phase_open, True
+        try:
+            yield
+        finally:
+            self.phase_open = previous
+
+    def require_phase(self, model_name: str) -> None:
+        """Raises unless a ``fit``/``train_on_batch`` call holds a phase open (the train function's check)."""
+        if not self.phase_open:
+            raise RuntimeError(_outside_phase_message(model_name, "model.train_function was called"))
+
+    def require_open(self, model_name: str) -> None:
+        """Raises unless the train function of an open phase is executing (the step's check)."""
+        if not self.executing:
+            raise RuntimeError(_outside_phase_message(model_name, "a DP step (model.train_step) was run"))
+
+
+def _outside_phase_message(model_name: str, what: str) -> str:
+    return (f"{model_name}: {what} outside fit()/train_on_batch(). tf_dp takes a DP step only inside the phase "
+            "those calls open, with their checks (the accounted sampling, the noise-key guard, the "
+            "row-independence probe): a loop of one's own calling model.train_step — eagerly, in a tf.function, "
+            "or through model.train_function after fit returned — would release noise the ledger cannot account "
+            "for. Nothing was released. Use model.fit() (Poisson-sampled) or model.train_on_batch() (an explicit "
+            "batch, accounted without amplification).")
 
 
 SAMPLE_WEIGHT = "sample_weight"
