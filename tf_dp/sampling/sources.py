@@ -37,7 +37,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.sampling.dataset_graph import duplicating_idioms, grain_duplicating_idioms, is_grain_dataset
+from tf_dp.sampling.dataset_graph import (ALLOWED_PER_EXAMPLE, grain_duplicating_idioms, is_grain_dataset,
+                                         refused_operations)
 
 MARKER = "tf_dp source error"
 
@@ -772,7 +773,9 @@ class PairedRecords:
 
 
 def dataset_source(dataset: tf.data.Dataset) -> ExampleSource:
-    """An unbatched dataset of (x, y) as a source, in this order of preference:
+    """An unbatched dataset of (x, y) as a source, once the door's allow-list accepts its
+    pipeline (tf_dp.sampling.dataset_graph.refused_operations; anything else is refused naming
+    the operation), in this order of preference:
 
     1. ``from_tensor_slices((x, y))``: its tensors, read as arrays (nothing copied);
     2. a finite dataset with random access (``tf.data.experimental.at``): read on demand;
@@ -780,13 +783,15 @@ def dataset_source(dataset: tf.data.Dataset) -> ExampleSource:
     spec = dataset.element_spec
     if not isinstance(spec, tuple) or len(spec) != 2:
         raise ValueError("A dataset given to DP fit must yield (x, y) pairs of single examples.")
-    idioms = duplicating_idioms(dataset, batched=False)
-    if idioms:
+    refused = refused_operations(dataset, batched=False)
+    if refused:
         raise ValueError(
-            f"This tf.data.Dataset repeats its examples ({'; '.join(idioms)} in its pipeline): every copy would "
-            "count as an example, so N and the sampling rate q would be wrong and one person would appear several "
-            "times. Pass the dataset without repeat() or self-concatenation (each example once); fit's `epochs` "
-            "repeats the data.")
+            f"fit() samples examples from a tf.data pipeline only if every operation in it provably keeps one "
+            f"element per example ({ALLOWED_PER_EXAMPLE}); this one has {'; '.join(refused)}, which can present "
+            "one example several times (every copy would count in N and be sampled on its own) or mix examples "
+            "into one element. Fix: do that work per example (a map, or augmentation inside the model or with "
+            "fit's `augment=`), or pass the data as arrays (fit(x, y, batch_size=L)) or a random-access source, "
+            "each example once and without repeat(); fit's `epochs` repeats the data.")
     tensors = getattr(dataset, "_tensors", None)
     if type(dataset).__name__ == "_TensorSliceDataset" and tensors is not None:
         flat = [np.asarray(t) for t in tensors]
@@ -813,8 +818,8 @@ def materialized_source(dataset: tf.data.Dataset) -> ArraySource:
     y = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *parts_y)
     size = sum(a.nbytes for a in tf.nest.flatten(x) + tf.nest.flatten(y))
     warnings.warn(
-        f"tf_dp: this tf.data.Dataset has no random access (it reads sequentially: a generator, TFRecords, filter, "
-        f"interleave, ...), so Poisson sampling needs all of it in memory: materialized "
+        f"tf_dp: this tf.data.Dataset has no random access (it reads sequentially: shuffle, filter, TFRecord "
+        f"files, ...), so Poisson sampling needs all of it in memory: materialized "
         f"{len(tf.nest.flatten(y)[0]):,} examples "
         f"({size / 2**20:,.1f} MiB). For data that do not fit, pass a random-access source instead (a "
         "tfds.data_source, an ArrayRecord reader, a numpy.memmap, tf_dp.sampling.TFRecordSource(files) with a "
