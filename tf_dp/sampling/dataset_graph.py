@@ -197,7 +197,7 @@ def _problem(kind: Optional[str], on_batches: Optional[bool]) -> Optional[str]:
     if kind == BATCHES and on_batches is False:
         return "whose batches are not the elements trained on"
     if kind == REPEATS and not on_batches:
-        return "before batching (it presents each example several times)"
+        return "not on whole batches (it can present one example several times)"
     if kind == ZIPS and on_batches:
         return "of batched datasets"
     return None
