@@ -638,15 +638,19 @@ class DatasetSource(ExampleSource):
             shape = tf.concat([tf.shape(real), tf.ones([values.shape.rank - 1], tf.int32)], axis=0)
             return tf.where(tf.reshape(real, shape), values, tf.zeros_like(values))
 
-        extras = {}
-        if self.extras:
-            specs = self.output_specs()[2]
-            names = sorted(self.extras)
-            read = tf.autograph.experimental.do_not_convert(
-                lambda i, m: [self.read_extras(i, m)[n] for n in names])
-            flat = tf.numpy_function(read, [indices, mask], [specs[n].dtype for n in names], stateful=False)
-            extras = {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
-        return tf.nest.map_structure(zero_padding, x), tf.nest.map_structure(zero_padding, y), extras
+        return tf.nest.map_structure(zero_padding, x), tf.nest.map_structure(zero_padding, y), graph_extras(
+            self, indices, mask)
+
+
+def graph_extras(source: ExampleSource, indices, mask) -> dict:
+    """``source.read_extras`` inside a graph: {name: tensor [n, ...]} (empty without extras)."""
+    if not source.extras:
+        return {}
+    specs = source.output_specs()[2]
+    names = sorted(source.extras)
+    read = tf.autograph.experimental.do_not_convert(lambda i, m: [source.read_extras(i, m)[n] for n in names])
+    flat = tf.numpy_function(read, [indices, mask], [specs[n].dtype for n in names], stateful=False)
+    return {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
 
 
 # ---------------------------------------------------------------------- TFRecord index
