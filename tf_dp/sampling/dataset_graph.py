@@ -136,7 +136,10 @@ class _Graph:
         inputs = self.inputs(node, datasets_only=False)
         if position >= len(inputs) or inputs[position].op != "Const":
             return None
-        return tf.make_ndarray(inputs[position].attr["value"].tensor)
+        tensor = inputs[position].attr["value"].tensor
+        if tensor.dtype == tf.string.as_datatype_enum:  # strings may be packed in tensor_content
+            return tf.io.parse_tensor(tensor.SerializeToString(), tf.string).numpy()
+        return tf.make_ndarray(tensor)
 
     def function_of(self, node):
         """The function (FunctionDef) a flat_map/interleave-like ``node`` applies, or None."""
@@ -177,6 +180,11 @@ def refused_operations(dataset: tf.data.Dataset, batched: bool) -> list:
       serialize is one entry: nothing in it can be checked)."""
     if _python_accepts(dataset, batched):
         return []  # no need to serialize the graph (seconds for a large in-memory dataset)
+    return refused_by_graph(dataset, batched)
+
+
+def refused_by_graph(dataset: tf.data.Dataset, batched: bool) -> list:
+    """``refused_operations`` read from the serialized graph alone (no fast pass)."""
     graph = read_graph(dataset)
     if graph is None or not graph.outputs:
         return ["a pipeline whose graph tf.data cannot serialize (none of its operations can be checked)"]
