@@ -329,3 +329,15 @@ def test_an_accepted_batched_pipeline_moves_the_sum_by_at_most_c_per_person(jit_
         without = released_sum(exact_model(jit_compile), pipeline(False), N)  # declared L = N both times
     moved = np.linalg.norm(with_person - without)
     assert 0.99 * CLIP <= moved <= CLIP * (1 + 1e-4)
+
+
+GRAPH_ONLY = {"repeat(1)", "TFRecordDataset of distinct files", "TextLineDataset", "FixedLengthRecordDataset"}
+
+
+@pytest.mark.parametrize("name", sorted(set(ALLOWED) - GRAPH_ONLY))
+def test_in_memory_pipelines_are_accepted_without_serializing_their_graph(name, tmp_path, monkeypatch):
+    """Serializing a large from_tensor_slices takes seconds: the fast pass accepts these without it."""
+    build, batched = ALLOWED[name]
+    dataset = build(str(tmp_path))
+    monkeypatch.setattr(dataset_graph, "read_graph", lambda d: pytest.fail("the graph was serialized"))
+    assert refused_operations(dataset, batched) == []
