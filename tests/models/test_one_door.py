@@ -138,6 +138,8 @@ REFUSED = {
              False, r"Dataset\.load\(\)"),
     "sparse_batch": (lambda d: tf.data.Dataset.range(4).map(lambda i: tf.SparseTensor([[0]], [i], [3])).sparse_batch(
         2, [3]), True, r"sparse_batch\(\)"),
+    "keras timeseries_dataset_from_array (issue 33)": (lambda d: keras.utils.timeseries_dataset_from_array(
+        arrays()[0], arrays()[1], sequence_length=4, batch_size=L), True, r"zip\(\)"),
     "shuffle_and_repeat": (lambda d: rows().apply(tf.data.experimental.shuffle_and_repeat(N)), False,
                            r"shuffle_and_repeat\(\)"),
 }
