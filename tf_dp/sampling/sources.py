@@ -14,7 +14,8 @@ examples N, unless the data were handed over in memory in the first place:
   function). ``source.__getitems__(indices)`` is used when present (TFDS/grain sources
   read a batch of records in parallel there).
 * :class:`DatasetSource` — an unbatched ``tf.data.Dataset`` that supports random access
-  (``tf.data.experimental.at``: from_tensor_slices, range, map, zip, concatenate, ...).
+  (``tf.data.experimental.at``: from_tensor_slices, range, map, take, ...), once the door's
+  allow-list (tf_dp.sampling.dataset_graph) accepts its pipeline.
 * :class:`TFRecordSource` — TFRecord shards (no random access of their own): one
   sequential pass records every record's byte offset (an index of 16 bytes per record,
   never the records), after which any record is one seek and read away.
