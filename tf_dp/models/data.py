@@ -8,7 +8,8 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.sampling.dataset_graph import dataset_ends_in_batch, duplicating_idioms
+from tf_dp.sampling.dataset_graph import (ALLOWED_ON_BATCHES, ALLOWED_PER_EXAMPLE, dataset_ends_in_batch,
+                                         refused_operations)
 from tf_dp.sampling.loader import augmented_spec, poisson_loader
 from tf_dp.sampling.sources import ArraySource, ExampleSource, num_rows  # noqa: F401 (num_rows: fit's)
 
@@ -48,23 +49,26 @@ def is_batched_dataset(dataset: tf.data.Dataset, model) -> bool:
 
 
 def refuse_duplicating_batches(dataset: tf.data.Dataset) -> None:
-    """Raises ValueError if the batched ``dataset`` can put one example into a batch twice.
-
-    Each copy is clipped separately, so one example could move the released sum by k·C while
-    the step is accounted at sensitivity C (docs/algorithms.md §1). Refused upstream of a
-    batching op: a repeat (other than repeat(1)), a concatenate/sample_from_datasets of a
-    dataset with itself or a copy, a flat_map/interleave yielding a captured dataset or
-    repeating inside, a zip that pairs one example with another of the same source — and a
-    pipeline whose graph cannot be read. A repeat AFTER the batch is sound and allowed. The
-    caller promises the rest: a batched dataset presents each example at most once per batch."""
-    idioms = duplicating_idioms(dataset, batched=True)
-    if idioms:
+    """Raises ValueError unless the batched ``dataset`` passes the door's allow-list
+    (tf_dp.sampling.dataset_graph, docs/algorithms.md §1.4): before its last batch op only
+    operations that keep one element per example, after it only operations on whole batches
+    (prefetch, cache, repeat, shuffle, take, ...). A repeat, window, flat_map, interleave,
+    concatenate, zip, unbatch, rebatch, scan, ... anywhere, and a map or filter applied to
+    whole batches (MixUp after batch(), a map concatenating two views of a batch), are refused
+    naming the operation: they can put one example into a batch twice or mix examples across
+    rows, while each step is accounted at sensitivity C. The rest is the caller's promise:
+    each row of the data is a different example."""
+    refused = refused_operations(dataset, batched=True)
+    if refused:
         raise ValueError(
-            f"fit() refuses this batched dataset: {'; '.join(idioms)} upstream of .batch() can put one example into "
-            "a batch more than once, and each copy is clipped separately (the example moves the noisy sum by k·C, "
-            "while each step is accounted at sensitivity C). Fix: pass the UNBATCHED dataset (without repeat) or "
-            "arrays with batch_size=... for Poisson sampling (fit's `epochs` repeats the data); or put .repeat() "
-            "after .batch() (ds.batch(L).repeat()), which keeps each batch free of duplicates.")
+            f"fit() refuses this batched dataset: {'; '.join(refused)}. A batched pipeline may use, before its last "
+            f".batch(), only operations that keep one element per example ({ALLOWED_PER_EXAMPLE}), and after it only "
+            f"operations on whole batches ({ALLOWED_ON_BATCHES}); anything else can put one example into a batch "
+            "twice or mix examples across rows, and each copy or mixed row is clipped separately (one example "
+            "moves the noisy sum by more than C, while each step is accounted at sensitivity C). Fix: do the work "
+            "per example before .batch() (augmentation in a per-example map, or inside the model), repeat whole "
+            "batches (ds.batch(L).repeat()), or pass arrays / the UNBATCHED dataset with batch_size=... for Poisson "
+            "sampling (fit's `epochs` repeats the data).")
 
 
 def _x_spec(spec):

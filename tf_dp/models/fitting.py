@@ -34,7 +34,7 @@ from tf_dp.sampling import seed_guard
 from tf_dp.sampling.loader import augment_examples
 from tf_dp.sampling.schemes import scheme_for_fit
 from tf_dp.sampling.sources import MARKER, ArraySource, SourceError, example_source
-from tf_dp.sampling.users import user_index_of
+from tf_dp.sampling.users import user_ids_for_fit, user_index_of
 
 
 class DPFitting:
@@ -99,8 +99,11 @@ class DPFitting:
         layers — whose gradients are averaged BEFORE clipping: one clipped vector per
         example, so the sensitivity stays C and ε is unchanged; compute grows with K.
 
-        User-level DP (docs/algorithms.md §11): ``user_ids`` (one id per example: ints,
-        strings, any hashables) makes the privacy unit a USER, all examples with one id.
+        User-level DP (docs/algorithms.md §11): ``user_ids`` makes the privacy unit a USER, all
+        examples with one id (ints, strings, any hashables). For a ``tf.data`` dataset or a
+        source the id is a feature of each element: ``user_ids="uid"`` names a key of x's dict
+        (a record field), removed from x before the model sees it; an array of ids (one per
+        example) is accepted only beside arrays x, where row i of both is example i.
         ``batch_size`` is then L_u, the expected number of users per step: each user joins a
         step independently with q_u = L_u / N_u (N_u distinct ids) and contributes
         ``examples_per_user`` = m of their examples, cycled through in a secret random order
@@ -135,6 +138,7 @@ class DPFitting:
                 return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data,
                                                initial_epoch, steps_per_epoch, **kwargs)
         source = self._training_source(x, y, transform)
+        source, user_ids = user_ids_for_fit(x, source, user_ids)  # ids travel with their rows (a feature's key)
         all_rows = len(source)
         extras = self._checked_per_example_extras(per_example_extras, all_rows)
         if validation_split:

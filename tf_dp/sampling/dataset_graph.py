@@ -1,39 +1,106 @@
-"""Duplication idioms in a tf.data pipeline and in a grain ``MapDataset``, read from its graph.
+"""One door for tf.data pipelines: an ALLOW-list of operations that keep one element per example.
 
-DP-SGD's sensitivity C assumes each person contributes at most ONE clipped gradient to a
-released sum (docs/algorithms.md §1). A pipeline that presents one example twice in one batch
-(``ds.repeat().batch(L)``, ``ds.shuffle(n).repeat().batch(L)``, ``ds.concatenate(ds).batch(L)``)
-clips each copy separately: that example moves the sum by up to k·C while the step is accounted
-at C. For a random-access source a repeat counts each person k times in N, and the sampling rate
-q = L/N understates theirs. What can be detected is refused; what cannot (two different objects
-holding the same people) is the caller's promise: each example at most once per batch, once per
-source.
+DP-SGD's sensitivity C assumes each person contributes at most ONE clipped gradient to a released
+sum (docs/algorithms.md §1), and Poisson sampling's rate q = L/N assumes N counts people. A
+pipeline that presents one example twice (``repeat``, ``concatenate`` of itself, overlapping
+``window``\\s), or that mixes examples into one row (MixUp after ``batch``, a batch-level ``map``
+that concatenates two views, ``scan``), breaks both. Rather than recognise known-bad idioms, the
+door accepts only pipelines built SOLELY from operations that provably keep one element per
+example (docs/algorithms.md §1.4), and names every other operation it finds:
 
-For a batched dataset an op applied to whole batches cannot put duplicates into one batch:
-``ds.batch(L).repeat()`` keeps each batch duplicate-free (each step a Gaussian mechanism at
-sensitivity C, accounted without amplification) and stays allowed. Any other repeat is refused,
-also where the batching is hidden from the graph (``bucket_by_sequence_length``, a ``window``
-batched inside ``flat_map``), and so is a repeat of pre-batched slices (its soundness cannot
-be told from a graph that shows no batch op).
+* per example (an unbatched dataset read as a source of N examples, and the part of a batched
+  pipeline before its last ``batch()``): ``from_tensor_slices``, ``from_tensors``, ``range``,
+  ``TFRecordDataset``/``TextLineDataset``/``FixedLengthRecordDataset`` of distinct file names, a
+  ``zip`` of bare such sources (row i with row i), ``map``, ``filter``, ``shuffle``, ``take``,
+  ``skip``, ``shard``, ``cache``, ``prefetch``, ``ignore_errors``, ``with_options``,
+  ``assert_cardinality`` (``repeat(1)`` too);
+* on whole batches (after the last ``batch``/``padded_batch``/``map_and_batch``, or every op of a
+  pipeline of pre-batched slices): ``prefetch``, ``cache``, ``repeat``, ``shuffle``, ``take``,
+  ``skip``, ``shard``, ``ignore_errors``, ``with_options``, ``assert_cardinality``. A ``map`` or
+  ``filter`` on whole batches is refused: it can mix or copy examples across rows.
+
+What no graph can show stays the caller's promise: that row i of the arrays (or record i of a
+file) is a different person's example for every i, and that a ``map`` looking rows up in captured
+data (``range(N).map(lambda i: x[i])``) reads each row once.
+
+The verdict is read from the dataset's serialized graph (``read_graph``); a fast Python pass over
+the dataset objects (``_python_accepts``, itself an allow-list of the same rules) skips the
+serialization, which takes seconds for a large in-memory ``from_tensor_slices``. Anything the fast
+pass does not accept goes to the graph, which has the last word.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
-from typing import Iterable, Optional
+from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 from google.protobuf.message import DecodeError
 
 _DATASET_OP = re.compile(r"Dataset(V\d+)?$")
-_MULTI_INPUT = ("ConcatenateDataset", "ZipDataset", "DirectedInterleaveDataset")
-_FLAT_MAPS = ("FlatMapDataset", "InterleaveDataset", "ParallelInterleaveDataset")
-# Element-wise, order-preserving ops: a zip of two such branches of one source pairs example i with itself.
-_ONE_TO_ONE = ("MapDataset", "ParallelMapDataset", "PrefetchDataset", "OptionsDataset", "ModelDataset",
-               "MaxIntraOpParallelismDataset", "PrivateThreadPoolDataset", "CacheDataset", "AssertCardinalityDataset")
+_VERSION = re.compile(r"(?<=Dataset)V\d+$")
 
-_DESCRIPTIVE_ATTRS = ("metadata", "output_shapes", "output_types", "Toutput_types")
+# The kinds of allowed operation.
+SOURCE = "source"            # element i is row i of its tensors (a leaf)
+KEEPS = "keeps"              # every element once, in order, unchanged
+SELECTS = "selects"          # each element at most once (reordered or dropped)
+PER_ELEMENT = "per_element"  # one element in, at most one out: per example only, never on whole batches
+BATCHES = "batches"          # ends the per-example part: above it, elements are batches
+REPEATS = "repeats"          # on whole batches only (repeat(0) and repeat(1) anywhere)
+ZIPS = "zips"                # bare sources zipped row by row: per example only
+READS_FILES = "reads_files"  # each record of distinct files once
+
+GRAPH_OPS = {  # graph op (without its version suffix) -> kind; every other op is refused
+    "TensorSliceDataset": SOURCE, "TensorDataset": SOURCE, "RangeDataset": SOURCE,
+    "PrefetchDataset": KEEPS, "CacheDataset": KEEPS, "OptionsDataset": KEEPS, "ModelDataset": KEEPS,
+    "MaxIntraOpParallelismDataset": KEEPS, "PrivateThreadPoolDataset": KEEPS, "AssertCardinalityDataset": KEEPS,
+    "ShuffleDataset": SELECTS, "TakeDataset": SELECTS, "SkipDataset": SELECTS, "ShardDataset": SELECTS,
+    "IgnoreErrorsDataset": SELECTS,
+    "MapDataset": PER_ELEMENT, "ParallelMapDataset": PER_ELEMENT, "FilterDataset": PER_ELEMENT,
+    "BatchDataset": BATCHES, "PaddedBatchDataset": BATCHES, "ParallelBatchDataset": BATCHES,
+    "MapAndBatchDataset": BATCHES,
+    "RepeatDataset": REPEATS,
+    "ZipDataset": ZIPS,
+    # "FlatMapDataset": READS_FILES only when its function is one file reader of the element (_reads_files)
+}
+FILE_READERS = ("TFRecordDataset", "TextLineDataset", "FixedLengthRecordDataset")
+
+PYTHON_CLASSES = {  # the fast pass: tf.data's Python classes of the same ops (anything else: read the graph)
+    "_TensorSliceDataset": SOURCE, "_TensorDataset": SOURCE, "_RangeDataset": SOURCE,
+    "_PrefetchDataset": KEEPS, "CacheDataset": KEEPS, "_CacheDataset": KEEPS, "_OptionsDataset": KEEPS,
+    "_ModelDataset": KEEPS, "_MaxIntraOpParallelismDataset": KEEPS, "_PrivateThreadPoolDataset": KEEPS,
+    "_AssertCardinalityDataset": KEEPS, "_RestructuredDataset": KEEPS,
+    "_ShuffleDataset": SELECTS, "_TakeDataset": SELECTS, "_SkipDataset": SELECTS, "_ShardDataset": SELECTS,
+    "_IgnoreErrorsDataset": SELECTS,
+    "_MapDataset": PER_ELEMENT, "_ParallelMapDataset": PER_ELEMENT, "_FilterDataset": PER_ELEMENT,
+    "_BatchDataset": BATCHES, "_PaddedBatchDataset": BATCHES, "_ParallelBatchDataset": BATCHES,
+    "_MapAndBatchDataset": BATCHES,
+    "_RepeatDataset": REPEATS,
+    "_ZipDataset": ZIPS,
+}
+
+ALLOWED_PER_EXAMPLE = ("from_tensor_slices, from_tensors, range, TFRecordDataset/TextLineDataset/"
+                       "FixedLengthRecordDataset of distinct files, a zip of such bare sources, map, filter, shuffle, "
+                       "take, skip, shard, cache, prefetch, ignore_errors, with_options, assert_cardinality")
+ALLOWED_ON_BATCHES = ("prefetch, cache, repeat, shuffle, take, skip, shard, ignore_errors, with_options, "
+                      "assert_cardinality")
+
+# What the user wrote, for the message (graph op without its version suffix -> Dataset method).
+_METHODS = {
+    "RepeatDataset": "repeat", "WindowDataset": "window", "UnbatchDataset": "unbatch", "FlatMapDataset": "flat_map",
+    "InterleaveDataset": "interleave", "ParallelInterleaveDataset": "interleave",
+    "LegacyParallelInterleaveDataset": "parallel_interleave", "ConcatenateDataset": "concatenate",
+    "ZipDataset": "zip", "DirectedInterleaveDataset": "sample_from_datasets/choose_from_datasets",
+    "RebatchDataset": "rebatch", "GroupByWindowDataset": "group_by_window/bucket_by_sequence_length",
+    "GroupByReducerDataset": "group_by_reducer", "ScanDataset": "scan", "SnapshotDataset": "snapshot",
+    "UniqueDataset": "unique", "RandomDataset": "Dataset.random", "ShuffleAndRepeatDataset": "shuffle_and_repeat",
+    "TakeWhileDataset": "take_while", "MapDataset": "map", "ParallelMapDataset": "map", "FilterDataset": "filter",
+    "BatchDataset": "batch", "PaddedBatchDataset": "padded_batch", "ParallelBatchDataset": "batch",
+    "MapAndBatchDataset": "map_and_batch", "GeneratorDataset": "from_generator", "LoadDataset": "Dataset.load",
+    "DenseToSparseBatchDataset": "sparse_batch", "SlidingWindowDataset": "sliding_window_batch",
+    "DataServiceDataset": "distribute", "SamplingDataset": "sampling", "ListSnapshotChunksDataset": "snapshot",
+}
 
 
 class _Graph:
@@ -43,30 +110,12 @@ class _Graph:
         self.nodes = {node.name: node for node in graph_def.node}
         self.outputs = [self.inputs(node) for node in graph_def.node if node.op == "_Retval"]
         self.outputs = [node for inputs in self.outputs for node in inputs]
-        self.functions = [node for function in graph_def.library.function for node in function.node_def]
         self.library = {function.signature.name: function for function in graph_def.library.function}
-        self._fingerprints: dict = {}
 
     def inputs(self, node, datasets_only: bool = True) -> list:
         names = (name.split(":")[0] for name in node.input if not name.startswith("^"))
         found = [self.nodes[name] for name in names if name in self.nodes]
         return [n for n in found if _DATASET_OP.search(n.op)] if datasets_only else found
-
-    def upstream(self, frontier: Iterable) -> list:
-        """Every dataset node reachable from ``frontier`` (included), each once."""
-        seen, stack = {}, list(frontier)
-        while stack:
-            node = stack.pop()
-            if node.name not in seen:
-                seen[node.name] = node
-                stack.extend(self.inputs(node))
-        return list(seen.values())
-
-    def on_batches(self, node) -> bool:
-        """Whether every path from ``node``'s inputs to a source meets a batching op before any
-        unbatch: then ``node`` (a repeat, say) handles whole batches, never single examples."""
-        frontier = self.inputs(node)
-        return bool(frontier) and all(self._meets_batch(n) for n in frontier)
 
     def ends_in_batch(self) -> bool:
         """Whether every path from the output back to a source meets a batching op before any
@@ -87,38 +136,14 @@ class _Graph:
         inputs = self.inputs(node, datasets_only=False)
         if position >= len(inputs) or inputs[position].op != "Const":
             return None
-        return tf.make_ndarray(inputs[position].attr["value"].tensor)
+        tensor = inputs[position].attr["value"].tensor
+        if tensor.dtype == tf.string.as_datatype_enum:  # strings may be packed in tensor_content
+            return tf.io.parse_tensor(tensor.SerializeToString(), tf.string).numpy()
+        return tf.make_ndarray(tensor)
 
-    def fingerprint(self, node, skip: tuple = ()) -> str:
-        """A hash of ``node``'s op, attributes and inputs (recursively; ``skip``ped ops are
-        seen through): two copies of one pipeline (``ds`` twice, or rebuilt from the same
-        arrays) hash alike. Display names and element specs (``_DESCRIPTIVE_ATTRS``) are left out."""
-        key = (node.name, skip)
-        if key not in self._fingerprints:
-            self._fingerprints[key] = self._hash(node, skip)
-        return self._fingerprints[key]
-
-    def _hash(self, node, skip: tuple) -> str:
-        if skip and node.op.startswith(skip):
-            upstream = self.inputs(node)
-            if len(upstream) == 1:
-                return self.fingerprint(upstream[0], skip)
-        digest = hashlib.sha256(node.op.encode())
-        for key in sorted(node.attr):
-            if key not in _DESCRIPTIVE_ATTRS:
-                digest.update(key.encode() + node.attr[key].SerializeToString(deterministic=True))
-        for upstream in self.inputs(node, datasets_only=False):
-            digest.update(self.fingerprint(upstream, skip).encode())
-        return digest.hexdigest()
-
-    def sources(self, node) -> set:
-        """Fingerprints of the source datasets (no dataset input) ``node`` reads from."""
-        return {self.fingerprint(n) for n in self.upstream([node]) if not self.inputs(n)}
-
-
-def _is_batch(op: str) -> bool:
-    op = op.lower()
-    return "batch" in op and "unbatch" not in op
+    def function_of(self, node):
+        """The function (FunctionDef) a flat_map/interleave-like ``node`` applies, or None."""
+        return self.library.get(node.attr["f"].func.name) if "f" in node.attr else None
 
 
 def read_graph(dataset: tf.data.Dataset) -> Optional[_Graph]:
@@ -140,162 +165,176 @@ def dataset_ends_in_batch(dataset: tf.data.Dataset) -> bool:
     return graph is not None and graph.ends_in_batch()
 
 
-def duplicating_idioms(dataset: tf.data.Dataset, batched: bool) -> list:
-    """Descriptions of every idiom in ``dataset`` that can present one example more than
-    once: in one batch (``batched``: every op not applied to whole batches), or anywhere
-    (an unbatched dataset read as a source of N examples), and the unreadable graph."""
-    if _plainly_duplicate_free(dataset, batched):
+# ---------------------------------------------------------------------- the door
+def refused_operations(dataset: tf.data.Dataset, batched: bool) -> list:
+    """Every operation of ``dataset`` outside the allow-list, each named as the user wrote it
+    (its Dataset method, and the graph op in brackets); empty when the pipeline is accepted.
+
+    Args:
+      dataset: the tf.data pipeline fit was given.
+      batched: its elements are batches (trained as explicit batches): the ops after its last
+        batch op act on whole batches. Otherwise every element is one example.
+
+    Returns:
+      A list of descriptions, outermost operation first (a pipeline whose graph tf.data cannot
+      serialize is one entry: nothing in it can be checked)."""
+    if _python_accepts(dataset, batched):
         return []  # no need to serialize the graph (seconds for a large in-memory dataset)
+    return refused_by_graph(dataset, batched)
+
+
+def refused_by_graph(dataset: tf.data.Dataset, batched: bool) -> list:
+    """``refused_operations`` read from the serialized graph alone (no fast pass)."""
     graph = read_graph(dataset)
-    if graph is None:
-        return ["a pipeline whose graph tf.data cannot serialize (so duplicates cannot be ruled out)"]
-    nodes = graph.upstream(graph.outputs)
-    # In a batched dataset an op on whole batches (ds.batch(L).repeat()) cannot put an example twice into one
-    # batch; any other (upstream of a batch, or of no batch op we can see: bucketing, window + flat_map) may.
-    unbatched = {n.name for n in graph.upstream(u for u in nodes if "unbatch" in u.op.lower())}
-    region = [n for n in nodes if not (batched and graph.on_batches(n) and n.name not in unbatched)]
-    found = [_repeat_idiom(graph, node) for node in region if node.op.startswith("RepeatDataset")]
-    found += [_shared_source_idiom(graph, node) for node in region if node.op.startswith(_MULTI_INPUT)]
-    zips = [n for n in nodes if n.op.startswith("ZipDataset") and n not in region]
-    found += [_shared_source_idiom(graph, node) for node in zips]  # misaligned zips mix examples after a batch too
-    found += [_captured_dataset_idiom(graph, node) for node in region if node.op.startswith(_FLAT_MAPS)]
-    if any(node.op.startswith("RepeatDataset") for node in graph.functions):
-        found.append("a repeat() inside a flat_map/interleave function")
-    found += [_expanding_flat_map_idiom(graph, node) for node in region if node.op.startswith(_FLAT_MAPS)]
-    if batched:
-        found += [_batches_merged_idiom(graph, node) for node in nodes if _is_batch(node.op)]
-        if any("unbatch" in node.op.lower() for node in nodes):
-            found.append("unbatch() in a batched pipeline (a map before it can turn one example into several rows)")
-    return sorted({idiom for idiom in found if idiom})
+    if graph is None or not graph.outputs:
+        return ["a pipeline whose graph tf.data cannot serialize (none of its operations can be checked)"]
+    found, seen = [], set()
+    for output in graph.outputs:
+        found += _graph_refusals(graph, output, batched, seen)
+    return list(dict.fromkeys(found))
 
 
-# Source and combining datasets that a flat_map/interleave function can use to yield an element
-# (or its parts) more than once; a file reader (TFRecordDataset, ...) yields each record once.
-_EXPANDING_OPS = ("TensorSliceDataset", "TensorDataset", "ConcatenateDataset", "ZipDataset", "RangeDataset")
-
-
-def _expanding_flat_map_idiom(graph: _Graph, node) -> Optional[str]:
-    """A flat_map/interleave whose function builds datasets from tensors (``from_tensor_slices``
-    of a stacked element, ``from_tensors(e).concatenate(...)``): it can yield one example twice."""
-    function = graph.library.get(node.attr["f"].func.name) if "f" in node.attr else None
-    if function is not None and any(n.op.startswith(_EXPANDING_OPS) for n in function.node_def):
-        return "flat_map/interleave whose function builds a dataset from tensors (it can yield an example twice)"
+def _problem(kind: Optional[str], on_batches: Optional[bool]) -> Optional[str]:
+    """Why an op of ``kind`` is refused where it stands (None: allowed there). ``on_batches``:
+    True where elements are batches, False where they are examples, None below a refused op
+    (elements of unknown meaning: read as examples, a batch op not held against them)."""
+    if kind is None:
+        return "not on the allow-list"
+    if kind == PER_ELEMENT and on_batches:
+        return "applied to whole batches (it can mix or copy examples across rows)"
+    if kind == BATCHES and on_batches is False:
+        return "whose batches are not the elements trained on"
+    if kind == REPEATS and not on_batches:
+        return "not on whole batches (it can present one example several times)"
+    if kind == ZIPS and on_batches:
+        return "of batched datasets"
     return None
 
 
-def _batches_merged_idiom(graph: _Graph, node) -> Optional[str]:
-    """A batch/rebatch downstream of a repeat: ``ds.batch(L).repeat().rebatch(2L)`` merges
-    copies of one batch into one (a repeat is allowed only on batches that stay batched)."""
-    if any(n.op.startswith("RepeatDataset") for n in graph.upstream(graph.inputs(node))):
-        return "a batch()/rebatch() after repeat() (it merges repeated batches into one)"
-    return None
+def _mode_below(kind: Optional[str], problem: Optional[str], on_batches: Optional[bool]) -> Optional[bool]:
+    """What the elements of an op's inputs are: examples below a batch op, unknown below a refused op."""
+    if problem:
+        return None
+    return False if kind == BATCHES else on_batches
 
 
-# Python dataset classes that present each input element at most once and build no dataset in a function.
-_PLAIN = {"_TensorSliceDataset", "_TensorDataset", "_RangeDataset", "_MapDataset", "_ParallelMapDataset",
-          "_FilterDataset", "_ShuffleDataset", "CacheDataset", "_CacheDataset", "_TakeDataset", "_SkipDataset",
-          "_ShardDataset", "_PrefetchDataset", "_OptionsDataset", "_RestructuredDataset", "_ModelDataset",
-          "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset", "_AssertCardinalityDataset",
-          "_IgnoreErrorsDataset", "_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset"}
-_PLAIN_BATCHES = {"_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset"}
+def _base(op: str) -> str:
+    return _VERSION.sub("", op)
 
 
-def _plainly_duplicate_free(dataset, batched: bool) -> bool:
-    """A fast, Python-level pass: True when every op of the pipeline is in ``_PLAIN``, or (for
-    a batched dataset) is a repeat whose every input path meets a batch op; False means
-    "read the serialized graph", not "duplicates"."""
-    stack, seen = [dataset], set()
+def _python_accepts(dataset, batched: bool) -> bool:
+    """The fast pass: True when every dataset object of the pipeline is one of tf.data's own
+    classes in ``PYTHON_CLASSES``, allowed where it stands; False means "read the graph"."""
+    stack, seen = [(dataset, batched)], set()
     while stack:
-        node = stack.pop()
-        if id(node) in seen:
+        node, on_batches = stack.pop()
+        if (id(node), on_batches) in seen:
             continue
-        seen.add(id(node))
-        name = type(node).__name__
-        if name not in _PLAIN and not (batched and name == "_RepeatDataset" and _python_on_batches(node)):
+        seen.add((id(node), on_batches))
+        kind = PYTHON_CLASSES.get(type(node).__name__)
+        if not type(node).__module__.startswith("tensorflow.") or _problem(kind, on_batches):
             return False
-        if name in _PLAIN_BATCHES and _python_repeat_upstream(node):
-            return False  # a batch of repeated batches: the graph decides
         try:
-            stack.extend(node._inputs())
+            inputs = list(node._inputs())
         except (NotImplementedError, AttributeError, TypeError):  # an unknown dataset class: the graph decides
             return False
+        if kind == ZIPS and not all(_python_bare_source(branch) for branch in inputs):
+            return False
+        stack.extend((n, _mode_below(kind, None, on_batches)) for n in inputs)
     return True
 
 
-def _python_repeat_upstream(node) -> bool:
-    try:
-        inputs = node._inputs()
-    except (NotImplementedError, AttributeError, TypeError):  # an unknown dataset class
+def _python_bare_source(node) -> bool:
+    kind = PYTHON_CLASSES.get(type(node).__name__)
+    if kind == SOURCE:
         return True
-    return any(type(n).__name__ == "_RepeatDataset" or _python_repeat_upstream(n) for n in inputs)
-
-
-def _python_on_batches(node) -> bool:
-    inputs = node._inputs()
-    return bool(inputs) and all(type(n).__name__ in _PLAIN_BATCHES or _python_on_batches(n) for n in inputs)
-
-
-def _repeat_idiom(graph: _Graph, node) -> Optional[str]:
-    count = graph.constant(node, 1)
-    if count is not None and int(count) in (0, 1):
-        return None
-    return "repeat()" if count is None or int(count) < 0 else f"repeat({int(count)})"
-
-
-def _shared_source_idiom(graph: _Graph, node) -> Optional[str]:
-    branches = graph.inputs(node)
-    if node.op.startswith("DirectedInterleaveDataset"):
-        branches = branches[1:]  # input 0 selects the branch
-    sources = [graph.sources(branch) for branch in branches]
-    shared = any(sources[i] & sources[j] for i in range(len(sources)) for j in range(i + 1, len(sources)))
-    if not shared:
-        return None
-    if node.op.startswith("ZipDataset"):
-        if _aligned(graph, branches):
-            return None
-        return "zip of branches of one dataset that do not pair each example with itself (skip, shuffle, ...)"
-    if node.op.startswith("ConcatenateDataset"):
-        return "concatenate of a dataset with itself (or with a copy of the same data)"
-    return "sample_from_datasets/choose_from_datasets over the same dataset more than once"
-
-
-def _aligned(graph: _Graph, branches: list) -> bool:
-    """Branches that differ only by element-wise maps (no shuffle): example i pairs with itself."""
-    if any(n.op.startswith("ShuffleDataset") for n in graph.upstream(branches)):
+    if kind != KEEPS or not type(node).__module__.startswith("tensorflow."):
         return False
-    return len({graph.fingerprint(branch, skip=_ONE_TO_ONE) for branch in branches}) == 1
+    inputs = list(node._inputs())
+    return len(inputs) == 1 and _python_bare_source(inputs[0])
 
 
-def _captured_dataset_idiom(graph: _Graph, node) -> Optional[str]:
-    """A flat_map/interleave whose function yields the same dataset for every outer element:
-    one it captured, or one it builds from constants (``lambda _: from_tensor_slices(x)``)."""
-    if len(graph.inputs(node)) > 1 or _builds_a_constant_dataset(graph, node):
-        return "flat_map/interleave returning a captured dataset (each outer element yields all of it)"
+def _graph_refusals(graph: _Graph, node, on_batches: Optional[bool], seen: set) -> list:
+    """The refused ops at and upstream of ``node`` (``on_batches``: its elements are batches)."""
+    if (node.name, on_batches) in seen:
+        return []
+    seen.add((node.name, on_batches))
+    base, inputs = _base(node.op), graph.inputs(node)
+    kind = READS_FILES if _reads_files(graph, node) else GRAPH_OPS.get(base)
+    problem = _problem(kind, on_batches)
+    if kind == REPEATS and problem and _repeat_count(graph, node) in (0, 1):
+        problem = None
+    if kind == ZIPS and not problem and not all(_bare_source(graph, branch) for branch in inputs):
+        problem = ("of branches that are not bare sources (a map, filter or shuffle before the zip can pair row i "
+                   "with row j: zip the sources first, then map)")
+    if kind == READS_FILES:
+        problem, inputs = _file_names_problem(graph, inputs[0]), []  # the file names' branch is checked there
+    found = [_describe(graph, node, base, problem)] if problem else []
+    for upstream in inputs:
+        found += _graph_refusals(graph, upstream, _mode_below(kind, problem, on_batches), seen)
+    return found
+
+
+def _describe(graph: _Graph, node, base: str, problem: str) -> str:
+    if base == "FlatMapDataset" and _generator(graph, node):
+        return ("from_generator() (a Python generator: tf_dp cannot check that it yields each example once; "
+                "pass arrays or a random-access source)")
+    if _reads_files(graph, node):
+        reader = next(n.op for n in graph.function_of(node).node_def if _DATASET_OP.search(n.op))
+        return f"{_base(reader)} ({reader} {problem})"
+    method = _METHODS.get(base)
+    name = f"{method}()" if method else node.op
+    if base == "RepeatDataset" and (_repeat_count(graph, node) or -1) >= 0:
+        name = f"repeat({_repeat_count(graph, node)})"
+    where = "" if problem == "not on the allow-list" else f", {problem}"
+    return f"{name} ({node.op}{where})"
+
+
+def _repeat_count(graph: _Graph, node) -> Optional[int]:
+    count = graph.constant(node, 1)
+    return None if count is None else int(count)
+
+
+def _bare_source(graph: _Graph, node) -> bool:
+    """A source, seen through ops that keep every element in order: zipped, row i meets row i."""
+    kind = GRAPH_OPS.get(_base(node.op))
+    upstream = graph.inputs(node)
+    if kind == SOURCE:
+        return True
+    return kind == KEEPS and len(upstream) == 1 and _bare_source(graph, upstream[0])
+
+
+def _reads_files(graph: _Graph, node) -> bool:
+    """A flat_map whose function is one file reader of its element (TFRecordDataset(files) and
+    its kin): each record of each file once."""
+    function = graph.function_of(node) if _base(node.op) == "FlatMapDataset" else None
+    if function is None or len(function.signature.input_arg) != 1 or node.attr["Targuments"].list.type:
+        return False
+    datasets = [n for n in function.node_def if _DATASET_OP.search(n.op)]
+    argument = function.signature.input_arg[0].name
+    return (len(datasets) == 1 and _base(datasets[0].op) in FILE_READERS
+            and datasets[0].input[0].split(":")[0] == argument)
+
+
+def _file_names_problem(graph: _Graph, node) -> Optional[str]:
+    """None if the file names a reader reads are distinct constants (seen through ops that
+    keep or select names), else why not."""
+    kind = GRAPH_OPS.get(_base(node.op))
+    upstream = graph.inputs(node)
+    if kind in (KEEPS, SELECTS) and len(upstream) == 1:
+        return _file_names_problem(graph, upstream[0])
+    names = graph.constant(node, 0) if kind == SOURCE and _base(node.op) == "TensorSliceDataset" else None
+    if names is None:
+        return "of file names tf_dp cannot check for repeats (pass a list of distinct file names)"
+    names = np.asarray(names).reshape(-1)
+    if len(set(names.tolist())) < len(names):
+        return "reading the same file more than once"
     return None
 
 
-def _builds_a_constant_dataset(graph: _Graph, node) -> bool:
-    """Whether ``node``'s function holds a source dataset that depends on no outer element."""
-    function = graph.library.get(node.attr["f"].func.name) if "f" in node.attr else None
-    if function is None:
-        return False
-    captured = len(node.attr["Targuments"].list.type) if "Targuments" in node.attr else 0
-    arguments = [arg.name for arg in function.signature.input_arg]
-    element = set(arguments[:len(arguments) - captured])
-    body = {n.name: n for n in function.node_def}
-
-    def depends(name: str, seen: set) -> bool:
-        name = name.lstrip("^").split(":")[0]
-        if name in element:
-            return True
-        if name in seen or name not in body:
-            return False
-        seen.add(name)
-        return any(depends(i, seen) for i in body[name].input if not i.startswith("^"))
-
-    sources = [n for n in function.node_def if _DATASET_OP.search(n.op)
-               and not any(i.split(":")[0] in body and _DATASET_OP.search(body[i.split(":")[0]].op) for i in n.input)]
-    return any(not depends(n.name, set()) for n in sources)
+def _generator(graph: _Graph, node) -> bool:
+    function = graph.function_of(node)
+    return function is not None and any(_base(n.op) == "GeneratorDataset" for n in function.node_def)
 
 
 # ---------------------------------------------------------------------- grain MapDataset

@@ -14,7 +14,8 @@ examples N, unless the data were handed over in memory in the first place:
   function). ``source.__getitems__(indices)`` is used when present (TFDS/grain sources
   read a batch of records in parallel there).
 * :class:`DatasetSource` — an unbatched ``tf.data.Dataset`` that supports random access
-  (``tf.data.experimental.at``: from_tensor_slices, range, map, zip, concatenate, ...).
+  (``tf.data.experimental.at``: from_tensor_slices, range, map, take, ...), once the door's
+  allow-list (tf_dp.sampling.dataset_graph) accepts its pipeline.
 * :class:`TFRecordSource` — TFRecord shards (no random access of their own): one
   sequential pass records every record's byte offset (an index of 16 bytes per record,
   never the records), after which any record is one seek and read away.
@@ -45,7 +46,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.sampling.dataset_graph import duplicating_idioms, grain_duplicating_idioms, is_grain_dataset
+from tf_dp.sampling.dataset_graph import (ALLOWED_PER_EXAMPLE, grain_duplicating_idioms, is_grain_dataset,
+                                         refused_operations)
 
 MARKER = "tf_dp source error"
 
@@ -883,15 +885,19 @@ class DatasetSource(ExampleSource):
             shape = tf.concat([tf.shape(real), tf.ones([values.shape.rank - 1], tf.int32)], axis=0)
             return tf.where(tf.reshape(real, shape), values, tf.zeros_like(values))
 
-        extras = {}
-        if self.extras:
-            specs = self.output_specs()[2]
-            names = sorted(self.extras)
-            read = tf.autograph.experimental.do_not_convert(
-                lambda i, m: [self.read_extras(i, m)[n] for n in names])
-            flat = tf.numpy_function(read, [indices, mask], [specs[n].dtype for n in names], stateful=False)
-            extras = {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
-        return tf.nest.map_structure(zero_padding, x), tf.nest.map_structure(zero_padding, y), extras
+        return tf.nest.map_structure(zero_padding, x), tf.nest.map_structure(zero_padding, y), graph_extras(
+            self, indices, mask)
+
+
+def graph_extras(source: ExampleSource, indices, mask) -> dict:
+    """``source.read_extras`` inside a graph: {name: tensor [n, ...]} (empty without extras)."""
+    if not source.extras:
+        return {}
+    specs = source.output_specs()[2]
+    names = sorted(source.extras)
+    read = tf.autograph.experimental.do_not_convert(lambda i, m: [source.read_extras(i, m)[n] for n in names])
+    flat = tf.numpy_function(read, [indices, mask], [specs[n].dtype for n in names], stateful=False)
+    return {n: tf.ensure_shape(t, [None, *specs[n].shape]) for n, t in zip(names, flat)}
 
 
 # ---------------------------------------------------------------------- TFRecord index
@@ -1018,7 +1024,9 @@ class PairedRecords:
 
 
 def dataset_source(dataset: tf.data.Dataset) -> ExampleSource:
-    """An unbatched dataset of (x, y) as a source, in this order of preference:
+    """An unbatched dataset of (x, y) as a source, once the door's allow-list accepts its
+    pipeline (tf_dp.sampling.dataset_graph.refused_operations; anything else is refused naming
+    the operation), in this order of preference:
 
     1. ``from_tensor_slices((x, y))``: its tensors, read as arrays (nothing copied);
     2. a finite dataset with random access (``tf.data.experimental.at``): read on demand;
@@ -1026,13 +1034,15 @@ def dataset_source(dataset: tf.data.Dataset) -> ExampleSource:
     spec = dataset.element_spec
     if not isinstance(spec, tuple) or len(spec) != 2:
         raise ValueError("A dataset given to DP fit must yield (x, y) pairs of single examples.")
-    idioms = duplicating_idioms(dataset, batched=False)
-    if idioms:
+    refused = refused_operations(dataset, batched=False)
+    if refused:
         raise ValueError(
-            f"This tf.data.Dataset repeats its examples ({'; '.join(idioms)} in its pipeline): every copy would "
-            "count as an example, so N and the sampling rate q would be wrong and one person would appear several "
-            "times. Pass the dataset without repeat() or self-concatenation (each example once); fit's `epochs` "
-            "repeats the data.")
+            f"fit() samples examples from a tf.data pipeline only if every operation in it provably keeps one "
+            f"element per example ({ALLOWED_PER_EXAMPLE}); this one has {'; '.join(refused)}, which can present "
+            "one example several times (every copy would count in N and be sampled on its own) or mix examples "
+            "into one element. Fix: do that work per example (a map, or augmentation inside the model or with "
+            "fit's `augment=`), or pass the data as arrays (fit(x, y, batch_size=L)) or a random-access source, "
+            "each example once and without repeat(); fit's `epochs` repeats the data.")
     tensors = getattr(dataset, "_tensors", None)
     if type(dataset).__name__ == "_TensorSliceDataset" and tensors is not None:
         flat = [np.asarray(t) for t in tensors]
@@ -1059,8 +1069,8 @@ def materialized_source(dataset: tf.data.Dataset) -> ArraySource:
     y = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *parts_y)
     size = sum(a.nbytes for a in tf.nest.flatten(x) + tf.nest.flatten(y))
     warnings.warn(
-        f"tf_dp: this tf.data.Dataset has no random access (it reads sequentially: a generator, TFRecords, filter, "
-        f"interleave, ...), so Poisson sampling needs all of it in memory: materialized "
+        f"tf_dp: this tf.data.Dataset has no random access (it reads sequentially: shuffle, filter, TFRecord "
+        f"files, ...), so Poisson sampling needs all of it in memory: materialized "
         f"{len(tf.nest.flatten(y)[0]):,} examples "
         f"({size / 2**20:,.1f} MiB). For data that do not fit, pass a random-access source instead (a "
         "tfds.data_source, an ArrayRecord reader, a numpy.memmap, tf_dp.sampling.TFRecordSource(files) with a "

@@ -29,11 +29,13 @@ import os
 from typing import Optional
 
 import numpy as np
+import tensorflow as tf
 
 from tf_dp import _checks
 from tf_dp.sampling.poisson import (PAD_INDEX, StepSampler, _uniforms, choose_physical_batch_size,
                                     sample_poisson_batch)
 from tf_dp.sampling.schemes import SamplingScheme, register_sampling
+from tf_dp.sampling.sources import ArraySource, DatasetSource, ExampleSource, graph_extras
 
 ORDER_STREAM = 2**63 + 0x05E5  # the "step" whose stream orders each user's examples: no real step reaches it
 
@@ -86,6 +88,108 @@ def _as_id_array(user_ids) -> np.ndarray:
     array = np.empty(len(values), object)
     array[:] = values
     return array
+
+
+# ------------------------------------------------------------ user ids travel with their rows
+ID_BLOCK = 4096  # examples read per block when the ids are read from a source's records
+
+
+def user_ids_for_fit(x, source: ExampleSource, user_ids):
+    """fit's ``user_ids`` as (the source the model trains on, one id per example in its order).
+
+    For a tf.data pipeline or a source the id must be a feature of each element: ``user_ids="uid"``
+    names a key of x's dict (a record field), read from every example and removed from x before
+    the model sees it. An ARRAY of ids lines up with x only when x is arrays (row i of both is
+    example i); beside a dataset (read in its own, possibly shuffled, order) or a source it is
+    refused: it would label the wrong rows, one person's examples falling under many ids.
+
+    Args:
+      x: fit's ``x`` as given.
+      source: the ExampleSource fit built from it.
+      user_ids: None, a key (str) of x's features, or one id per example (arrays only).
+
+    Returns:
+      (source, ids): ids is None without ``user_ids``.
+    """
+    if user_ids is None:
+        return source, None
+    if isinstance(user_ids, str):
+        return _ids_from_feature(source, user_ids)
+    if isinstance(x, tf.data.Dataset) or not isinstance(source, ArraySource):
+        what = "tf.data.Dataset" if isinstance(x, tf.data.Dataset) else "source"
+        raise ValueError(
+            f"`user_ids` given as separate ids beside a {what}: ids line up with the examples only beside arrays. A "
+            "dataset is read in its own (possibly shuffled) order and a source in its records', so separate ids "
+            "would label the wrong rows (one person's examples under many ids, each clipped to C on its own). Put "
+            "the id in every element and name it: from_tensor_slices(({'features': x, 'uid': ids}, y)) (or a "
+            "record field 'uid'), then fit(..., user_ids='uid'); the model never sees that key.")
+    return source, user_ids
+
+
+def _ids_from_feature(source: ExampleSource, key: str):
+    x_spec = source.spec[0]
+    if not isinstance(x_spec, dict) or key not in x_spec:
+        keys = sorted(x_spec) if isinstance(x_spec, dict) else None
+        raise ValueError(f"user_ids={key!r} names a feature of x, but x has " +
+                         (f"the keys {keys}." if keys else "no named features (it is not a dict).") +
+                         f" Give every example its user id as x[{key!r}] (e.g. from_tensor_slices(({{'features': x, "
+                         f"{key!r}: ids}}, y))).")
+    if x_spec[key].shape.rank != 0:
+        raise ValueError(f"x[{key!r}] must hold ONE user id per example (a scalar), got shape {x_spec[key].shape}.")
+    if isinstance(source, ArraySource):
+        features = {name: column for name, column in source.x.items() if name != key}
+        return ArraySource(features, source.y), np.asarray(source.x[key]).reshape(-1)
+    if isinstance(source, DatasetSource):
+        return _dataset_ids(source, key)
+    return WithoutFeature(source, key), _read_ids(source, key)
+
+
+def _dataset_ids(source: DatasetSource, key: str):
+    """A random-access dataset's ids, each read as its row is: ``at(dataset, i)`` of the SAME
+    dataset object (a shuffled pipeline's index order is not its iteration order), and the
+    source reading the rows without the ids."""
+    dataset = source.dataset
+    read_id = tf.autograph.experimental.do_not_convert(lambda i: tf.data.experimental.at(dataset, i)[0][key])
+    indices = tf.data.Dataset.range(len(source))
+    blocks = indices.map(read_id, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).batch(ID_BLOCK)
+    return WithoutFeature(source, key), np.concatenate(list(blocks.as_numpy_iterator())).reshape(-1)
+
+
+def _read_ids(source: ExampleSource, key: str) -> np.ndarray:
+    """Every example's ``key`` feature, read from the source ``ID_BLOCK`` examples at a time (one pass)."""
+    blocks = [np.asarray(source.read_examples(np.arange(start, min(start + ID_BLOCK, len(source))))[0][key])
+              for start in range(0, len(source), ID_BLOCK)]
+    return np.concatenate(blocks).reshape(-1)
+
+
+class WithoutFeature(ExampleSource):
+    """``source`` whose x dict lacks ``key`` (the user ids the model must not see)."""
+
+    def __init__(self, source: ExampleSource, key: str):
+        self.source, self.key = source, key
+        self._count = len(source)
+        self.spec = (_without(source.spec[0], key), source.spec[1])
+        self.extras = {}
+
+    def __len__(self) -> int:
+        return self._count
+
+    def read_examples(self, rows):
+        x, y = self.source.read_examples(rows)
+        return _without(x, self.key), y
+
+    def graph_read(self, indices, mask):
+        x, y, _ = self.source.graph_read(indices, mask)
+        return _without(x, self.key), y, graph_extras(self, indices, mask)
+
+    def diagnose(self):
+        """The wrapped source's named read error, if it can find one."""
+        diagnose = getattr(self.source, "diagnose", None)
+        return diagnose() if diagnose is not None else None
+
+
+def _without(features: dict, key: str) -> dict:
+    return {name: value for name, value in features.items() if name != key}
 
 
 class UserPoissonSampler(StepSampler):
