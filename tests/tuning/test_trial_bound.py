@@ -1,0 +1,56 @@
+"""TrialBound: the per-trial curve is the pointwise max of the candidates' dp_accounting curves,
+and a trial whose σ, q or steps fall outside every candidate is refused, naming `trial_bound`."""
+
+import numpy as np
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from tf_dp.tuning import TrialBound, TrialOutsideBound
+from tf_dp.tuning.selection import ORDERS
+
+N = 1000
+
+
+def dp_accounting_curve(q, sigma, steps):
+    engine = rdp_privacy_accountant.RdpAccountant(list(ORDERS))
+    engine.compose(dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)),
+                                                steps))
+    return engine._rdp
+
+
+def poisson_event(q, sigma, steps):
+    return dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
+
+
+def test_curve_is_the_pointwise_max_over_the_choices():
+    bound = TrialBound.dp_sgd(N, [0.8, 1.5], [50, 100], epochs=[1, 2])
+    curves = [dp_accounting_curve(b / N, s, int(np.ceil(e * N / b))) for s in (0.8, 1.5) for b in (50, 100)
+              for e in (1, 2)]
+    np.testing.assert_allclose(bound.curve, np.max(curves, axis=0), rtol=1e-12)
+    assert bound.describe()["noise_multiplier"] == [0.8, 1.5]
+
+
+def test_candidates_pass_and_the_trial_curve_is_returned():
+    bound = TrialBound.dp_sgd(N, [0.8, 1.5], 100, steps=[10, 20])
+    for sigma in (0.8, 1.5):
+        for steps in (10, 20):
+            np.testing.assert_allclose(bound.check(poisson_event(0.1, sigma, steps)),
+                                       dp_accounting_curve(0.1, sigma, steps), rtol=1e-12)
+
+
+@pytest.mark.parametrize("q,sigma,steps", [(0.1, 0.7, 20), (0.2, 1.0, 20), (0.1, 1.0, 21)],
+                         ids=["smaller_sigma", "larger_q", "more_steps"])
+def test_trial_outside_the_bound_is_refused(q, sigma, steps):
+    bound = TrialBound.dp_sgd(N, 1.0, 100, steps=20)
+    with pytest.raises(TrialOutsideBound, match="trial_bound"):
+        bound.check(poisson_event(q, sigma, steps))
+
+
+def test_bad_declarations_are_refused():
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        TrialBound.dp_sgd(N, [1.0, 0.0], 100, epochs=1)
+    with pytest.raises(ValueError, match="epochs"):
+        TrialBound.dp_sgd(N, 1.0, 100)
+    with pytest.raises(ValueError, match="candidates"):
+        TrialBound([])
