@@ -54,6 +54,6 @@ def test_mean_trials_is_the_largest_within_target(eta):
 
 def test_unreachable_targets_are_refused():
     with pytest.raises(ValueError, match="target_epsilon"):
-        calibrate_mean_trials(0.5, curve(1.0), 1e-5)  # one trial alone: ε ≈ 1.5
+        calibrate_mean_trials(0.5, curve(1.0), 1e-5)  # one trial alone: ε ≈ 2.0
     with pytest.raises(ValueError, match="target_epsilon"):
         calibrate_noise_multiplier(-1.0, PoissonTrials(5), N, L, epochs=EPOCHS)

@@ -6,7 +6,7 @@ What holds by construction:
 * the number of trials K is drawn from OS entropy when ``search`` starts and lives only in
   that call's loop: never an attribute, never saved, printed or logged. KerasTuner's files
   go to a private temporary directory that ``search`` deletes (their number would be K);
-  its oracle is written with ``max_trials=None`` and the public seed 0, and it draws every
+  its oracle is written with ``max_trials=None`` and the public seed 1, and it draws every
   trial's hyperparameters independently (with replacement) from OS entropy, so the trials
   are K independent runs of the same randomized trial, as the theorem assumes;
 * the per-trial curve (``trial_bound`` + the score's cost) is fixed in ``__init__``; every
@@ -44,7 +44,7 @@ from tf_dp.tuning.trial_bound import TrialBound, TrialOutsideBound
 
 MODEL_FILE = "model.keras"
 SCORE = "score"
-_PUBLIC_ORACLE_SEED = 0  # written to the oracle's file; no draw uses it
+_PUBLIC_ORACLE_SEED = 1  # in the oracle's file; no draw uses it (0 would be replaced by a random seed)
 _REFUSED_ARGUMENTS = {
     "max_trials": "the number of trials is drawn at random from `distribution` (a fixed count costs K times ε)",
     "seed": "every random draw of the search comes from OS entropy; a seed would make K and the trials public",
