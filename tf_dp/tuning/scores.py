@@ -85,8 +85,11 @@ class NoisyAccuracy:
 
     def score(self, model) -> float:
         """Σ_i 1[model(x_i) = y_i] + N(0, σ²)."""
-        correct = float(np.sum(_predicted_labels(model, self.x, self.from_logits) == self.y))
-        return correct + float(np.random.default_rng(secrets.randbits(128)).normal(0.0, self.noise_multiplier))
+        return self.noisy(float(np.sum(_predicted_labels(model, self.x, self.from_logits) == self.y)))
+
+    def noisy(self, count: float) -> float:
+        """count + N(0, σ²), the noise from a generator seeded by OS entropy (never stored)."""
+        return count + float(np.random.default_rng(secrets.randbits(128)).normal(0.0, self.noise_multiplier))
 
     def describe(self) -> dict:
         return {"score": "number of correct predictions on private validation data + N(0, sigma^2)",
