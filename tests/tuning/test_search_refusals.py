@@ -42,7 +42,7 @@ def search(search_tuner, **kwargs):
 
 def test_a_trial_below_the_declared_sigma_stops_the_search_and_releases_nothing():
     refused = tuner(trial_bound=bound(sigma=2.0))  # the hypermodel trains at σ = 1
-    with pytest.raises(ValueError, match="trial_bound"):
+    with pytest.raises(ValueError, match="before training.*trial_bound"):  # refused before it trains
         search(refused)
     assert not os.path.exists(refused._workdir)
     with pytest.raises(RuntimeError, match="No trial was released"):
@@ -78,6 +78,22 @@ class ScoringHyperModel(keras_tuner.HyperModel):
         return history.history["loss"][-1]
 
 
+def test_a_custom_fit_outside_the_bound_is_refused_after_training():
+    class LongerFit(keras_tuner.HyperModel):
+        def build(self, hp):
+            return _tiny.build(hp)
+
+        def fit(self, hp, model, *args, **kwargs):
+            return model.fit(*args, **{**kwargs, "epochs": _tiny.EPOCHS + 1})
+
+    refused = tuner(LongerFit())
+    with pytest.raises(ValueError, match="trial_bound") as error:
+        search(refused)
+    assert "before training" not in str(error.value)  # only the ledger could tell
+    with pytest.raises(RuntimeError):
+        refused.best_model
+
+
 def test_a_score_returned_by_the_hypermodel_is_refused():
     refused = tuner(ScoringHyperModel())
     with pytest.raises(ValueError, match="not accounted"):
@@ -92,7 +108,7 @@ def test_a_noisy_score_needs_noise():
 
 
 @pytest.mark.parametrize("name,value", [("max_trials", 10), ("seed", 3), ("directory", "d"), ("objective", "val_loss"),
-                                        ("executions_per_trial", 2)])
+                                        ("executions_per_trial", 2), ("optimizer", "sgd")])
 def test_arguments_that_would_fix_or_reveal_k_are_refused(name, value):
     with pytest.raises(ValueError, match=f"`{name}`"):
         tuner(**{name: value})

@@ -35,7 +35,7 @@ from keras_tuner.src.distribute import utils as dist_utils
 from keras_tuner.src.engine.trial import TrialStatus
 
 from tf_dp import _checks
-from tf_dp.accounting import events
+from tf_dp.accounting import dp_sgd_event, events, steps_for
 from tf_dp.models.reporting import PRIVACY_FILE, _version
 from tf_dp.tuning.distributions import check_distribution
 from tf_dp.tuning.scores import NoisyAccuracy, PublicScore
@@ -55,6 +55,9 @@ _REFUSED_ARGUMENTS = {
     "overwrite": "see `directory`",
     "executions_per_trial": "one trial is one training run (the declared per-trial bound)",
     "max_retries_per_trial": "a retried trial is a second run: not allowed",
+    "optimizer": "build(hp) compiles the DP model with a tf_dp optimizer itself",
+    "loss": "build(hp) compiles the DP model itself",
+    "metrics": "build(hp) compiles the DP model itself",
 }
 _REFUSED_FIT_ARGUMENTS = ("validation_data", "validation_split")
 
@@ -109,8 +112,12 @@ class PrivateRandomSearch(keras_tuner.Tuner):
             objective=keras_tuner.Objective(SCORE, "max"), max_trials=None, seed=_PUBLIC_ORACLE_SEED,
             hyperparameters=hyperparameters, tune_new_entries=tune_new_entries, allow_new_entries=allow_new_entries,
             max_retries_per_trial=0)
-        super().__init__(oracle, hypermodel, directory=self._workdir, project_name="search", overwrite=True,
-                         **kwargs)
+        try:
+            super().__init__(oracle, hypermodel, directory=self._workdir, project_name="search", overwrite=True,
+                             **kwargs)
+        except BaseException:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            raise
 
     # ------------------------------------------------------------------ the search
     def search(self, *fit_args, **fit_kwargs):
@@ -155,20 +162,44 @@ class PrivateRandomSearch(keras_tuner.Tuner):
         hp = trial.hyperparameters
         model = self.hypermodel.build(hp)
         _check_fresh_dp_model(model)
+        planned = self._planned_training(model, fit_args, fit_kwargs)
+        if planned is not None:  # refused before it touches the data
+            self._check_bound(planned, f"the trial with {hp.values}, before training,")
         result = self.hypermodel.fit(hp, model, *fit_args, **fit_kwargs)
         if result is not None and not isinstance(result, keras.callbacks.History):
             raise keras_tuner.errors.FatalValueError(
                 f"HyperModel.fit returned {type(result).__name__}: a score of its own is a private score that is not "
                 "accounted. Return the History (or nothing); trials are ranked by public_validation_data or "
                 "noisy_score.")
-        try:
-            self._trial_bound.check(model.privacy_ledger.event(), f"the trial with {hp.values}")
-        except TrialOutsideBound as error:
-            raise _FatalTrialOutsideBound(str(error)) from None
+        self._check_bound(model.privacy_ledger.event(), f"the trial with {hp.values}")
         score = self._score.score(model)
         if self._best is None or score > self._best[0]:
             self._best = (score, model, hp.copy())
         return {SCORE: score}
+
+    def _check_bound(self, event, what: str) -> None:
+        try:
+            self._trial_bound.check(event, what)
+        except TrialOutsideBound as error:
+            raise _FatalTrialOutsideBound(str(error)) from None
+
+    def _planned_training(self, model, fit_args, fit_kwargs):
+        """The event ``model.fit(x, y, batch_size=L, epochs=E)`` will record (Poisson DP-SGD at
+        the optimizer's σ), when the hypermodel's fit is KerasTuner's default (it passes the
+        search's arguments unchanged) and they say it; else None (checked after training)."""
+        sigma = getattr(model.optimizer, "noise_multiplier", None)
+        x = fit_args[0] if fit_args else fit_kwargs.get("x")
+        batch_size, epochs = fit_kwargs.get("batch_size"), fit_kwargs.get("epochs", 1)
+        custom_fit = type(self.hypermodel).fit is not keras_tuner.HyperModel.fit
+        others = {"user_ids", "steps_per_epoch", "initial_epoch", "sampling"} & set(fit_kwargs)
+        if custom_fit or others or sigma is None or not isinstance(batch_size, int) or not isinstance(epochs, int):
+            return None
+        try:
+            num_examples = len(x)
+        except TypeError:
+            return None
+        steps = steps_for(num_examples, batch_size, epochs, None)
+        return dp_sgd_event(batch_size / num_examples, float(sigma), steps)
 
     # ------------------------------------------------------------------ the release
     @property
