@@ -29,7 +29,7 @@ from dp_accounting import dp_event  # noqa: E402
 
 import tf_dp  # noqa: E402
 from tf_dp import tuning  # noqa: E402
-from tf_dp.accounting import dp_sgd_event, epsilon, steps_for  # noqa: E402
+from tf_dp.accounting import dp_sgd_event, epsilon  # noqa: E402
 from tf_dp.data import load_adult  # noqa: E402
 from tf_dp.tuning.search import PrivateRandomSearch  # noqa: E402
 
@@ -44,6 +44,7 @@ TRAIN_ROWS, BATCH, EPOCHS, DELTA = 30000, 256, 5, 1e-5
 LEARNING_RATES = [0.01, 0.05, 0.2, 0.5, 1.0, 2.0, 4.0]
 CLIP_NORMS = [0.1, 0.5, 1.0, 2.0]
 FIXED_RUNS = 10
+STEPS = tuning.fit_steps(TRAIN_ROWS, BATCH, EPOCHS)  # 5 epochs of ⌈30000/256⌉ = 118 steps, as fit runs them
 
 
 def model(learning_rate: float, clip: float, sigma: float, features: int) -> tf_dp.DPModel:
@@ -60,7 +61,7 @@ def accuracy(dp_model, x, y) -> float:
 
 
 def single_run(data, target: float) -> dict:
-    sigma = tf_dp.calibrate_noise_multiplier(target, TRAIN_ROWS, BATCH, epochs=EPOCHS, delta=DELTA)
+    sigma = tf_dp.calibrate_noise_multiplier(target, TRAIN_ROWS, BATCH, steps=STEPS, delta=DELTA)
     dp_model = model(0.01, 1.0, sigma, data["x"].shape[1])
     dp_model.fit(data["x"], data["y"], batch_size=BATCH, epochs=EPOCHS, verbose=0)
     return {"accuracy": accuracy(dp_model, *data["test"]), "epsilon": dp_model.get_epsilon(), "sigma": sigma}
@@ -85,7 +86,7 @@ def private_search(data, target: float) -> dict:
 
 
 def best_of_fixed_runs(data, target: float) -> dict:
-    sigma = tf_dp.calibrate_noise_multiplier(target, TRAIN_ROWS, BATCH, epochs=EPOCHS, delta=DELTA)
+    sigma = tf_dp.calibrate_noise_multiplier(target, TRAIN_ROWS, BATCH, steps=STEPS, delta=DELTA)
     generator = np.random.default_rng(secrets.randbits(64))
     best = None
     for _ in range(FIXED_RUNS):
@@ -95,8 +96,7 @@ def best_of_fixed_runs(data, target: float) -> dict:
         validation = accuracy(dp_model, *data["validation"])
         if best is None or validation > best[0]:
             best = (validation, dp_model, float(learning_rate), float(clip))
-    runs = dp_event.SelfComposedDpEvent(dp_sgd_event(BATCH / TRAIN_ROWS, sigma, steps_for(TRAIN_ROWS, BATCH, EPOCHS,
-                                                                                          None)), FIXED_RUNS)
+    runs = dp_event.SelfComposedDpEvent(dp_sgd_event(BATCH / TRAIN_ROWS, sigma, STEPS), FIXED_RUNS)
     return {"accuracy": accuracy(best[1], *data["test"]), "epsilon": best[1].get_epsilon(), "sigma": sigma,
             "epsilon_of_the_runs_composed": epsilon(runs, DELTA),
             "hyperparameters": {"learning_rate": best[2], "l2_norm_clip": best[3]}}

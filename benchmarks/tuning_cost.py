@@ -1,8 +1,9 @@
 """What private hyperparameter tuning costs (docs/guides/tuning.md): ε of one run vs ε of a private
 random search whose every trial is the main job's run (examples/mnist_dpsgd.py's recipe: MNIST,
-N = 60000, Poisson L = 1024, 40 epochs, σ calibrated to ε = 3 at δ = 1e-5), for E[K] = 5, 10, 20
-trials; and the σ every trial needs for the SEARCH to stay at ε = 3; last row, a FIXED number of
-runs composed (what a best-of-K over fixed runs honestly costs). Accounting only (seconds).
+N = 60000, Poisson L = 1024, 40 epochs of ⌈N/L⌉ = 59 steps as fit runs them, σ calibrated to
+ε = 3 at δ = 1e-5), for E[K] = 5, 10, 20 trials; and the σ every trial needs for the SEARCH to
+stay at ε = 3; last row, a FIXED number of runs composed (what a best-of-K over fixed runs
+honestly costs). Accounting only (seconds).
 
     python benchmarks/tuning_cost.py
     python benchmarks/tuning_cost.py --target_epsilon=1
@@ -18,9 +19,9 @@ from absl import app, flags  # noqa: E402
 
 from dp_accounting import dp_event  # noqa: E402
 
-from tf_dp.accounting import calibrate_noise_multiplier, calibrate_sigma, dp_sgd_event, epsilon, steps_for  # noqa: E402
-from tf_dp.tuning import (PoissonTrials, TruncatedNegativeBinomial, one_trial_epsilon, trial_rdp,  # noqa: E402
-                          tuning_epsilon)
+from tf_dp.accounting import calibrate_noise_multiplier, calibrate_sigma, dp_sgd_event, epsilon  # noqa: E402
+from tf_dp.tuning import (PoissonTrials, TruncatedNegativeBinomial, fit_steps, one_trial_epsilon,  # noqa: E402
+                          trial_rdp, tuning_epsilon)
 from tf_dp.tuning import calibrate_noise_multiplier as calibrate_search_sigma  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -42,8 +43,8 @@ FAMILIES = [
 def main(argv):
     del argv
     n, batch, epochs, delta = FLAGS.num_examples, FLAGS.batch_size, FLAGS.epochs, FLAGS.delta
-    sigma = calibrate_noise_multiplier(FLAGS.target_epsilon, n, batch, epochs=epochs, delta=delta)
-    steps = steps_for(n, batch, epochs, None)
+    steps = fit_steps(n, batch, epochs)  # what fit runs (and compile(target_epsilon) calibrates for)
+    sigma = calibrate_noise_multiplier(FLAGS.target_epsilon, n, batch, steps=steps, delta=delta)
     rdp = trial_rdp(dp_sgd_event(batch / n, sigma, steps))
     print(f"one run: N = {n}, L = {batch}, {epochs} epochs ({steps} steps), sigma = {sigma:.4f}: "
           f"epsilon = {one_trial_epsilon(rdp, delta):.3f} at delta = {delta:g} (RDP)")
@@ -55,7 +56,7 @@ def main(argv):
         cells = []
         for mean in means:
             distribution = family(mean)
-            search_sigma = calibrate_search_sigma(FLAGS.target_epsilon, distribution, n, batch, epochs=epochs,
+            search_sigma = calibrate_search_sigma(FLAGS.target_epsilon, distribution, n, batch, steps=steps,
                                                   delta=delta)
             cells.append(f"{tuning_epsilon(rdp, delta, distribution):.2f} | {search_sigma:.3f}")
         print(f"| {name} | " + " | ".join(cells) + " |")

@@ -54,3 +54,23 @@ def test_bad_declarations_are_refused():
         TrialBound.dp_sgd(N, 1.0, 100)
     with pytest.raises(ValueError, match="candidates"):
         TrialBound([])
+
+
+def test_epochs_count_as_fit_runs_them():
+    """fit's epoch is ⌈N/L⌉ steps: 2 epochs of 100 rows at L = 32 take 8 steps (not ⌈2·100/32⌉ = 7),
+    and the bound declared with epochs=2 covers the ledger of that fit."""
+    import keras
+
+    import tf_dp
+    from tf_dp.tuning import fit_steps
+
+    inputs = keras.Input((2,))
+    model = tf_dp.DPModel(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer=tf_dp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).normal(size=(100, 2)).astype("float32")
+    model.fit(x, (x[:, 0] > 0).astype("int64"), batch_size=32, epochs=2, verbose=0)
+    assert int(model.privacy_ledger.steps.numpy()) == fit_steps(100, 32, 2) == 8
+    TrialBound.dp_sgd(100, 1.0, 32, epochs=2).check(model.privacy_ledger.event())
+    with pytest.raises(TrialOutsideBound):
+        TrialBound.dp_sgd(100, 1.0, 32, steps=7).check(model.privacy_ledger.event())

@@ -15,6 +15,7 @@ from tf_dp.tuning.scores import NoisyAccuracy, PublicScore
 from tf_dp.tuning.selection import (
     calibrate_mean_trials,
     calibrate_noise_multiplier,
+    fit_steps,
     one_trial_epsilon,
     selection_rdp,
     trial_rdp,
@@ -24,8 +25,8 @@ from tf_dp.tuning.trial_bound import TrialBound, TrialOutsideBound
 
 __all__ = [
     "NoisyAccuracy", "PoissonTrials", "PrivateRandomSearch", "PublicScore", "TrialBound", "TrialOutsideBound",
-    "TruncatedNegativeBinomial", "calibrate_mean_trials", "calibrate_noise_multiplier", "one_trial_epsilon",
-    "selection_rdp", "trial_rdp", "tuning_epsilon",
+    "TruncatedNegativeBinomial", "calibrate_mean_trials", "calibrate_noise_multiplier", "fit_steps",
+    "one_trial_epsilon", "selection_rdp", "trial_rdp", "tuning_epsilon",
 ]
 
 

@@ -35,11 +35,11 @@ from keras_tuner.src.distribute import utils as dist_utils
 from keras_tuner.src.engine.trial import TrialStatus
 
 from tf_dp import _checks
-from tf_dp.accounting import dp_sgd_event, events, steps_for
+from tf_dp.accounting import dp_sgd_event, events
 from tf_dp.models.reporting import PRIVACY_FILE, _version
 from tf_dp.tuning.distributions import check_distribution
 from tf_dp.tuning.scores import NoisyAccuracy, PublicScore
-from tf_dp.tuning.selection import one_trial_epsilon, selection_rdp, trial_rdp, tuning_epsilon
+from tf_dp.tuning.selection import fit_steps, one_trial_epsilon, selection_rdp, trial_rdp, tuning_epsilon
 from tf_dp.tuning.trial_bound import TrialBound, TrialOutsideBound
 
 MODEL_FILE = "model.keras"
@@ -198,7 +198,7 @@ class PrivateRandomSearch(keras_tuner.Tuner):
             num_examples = len(x)
         except TypeError:
             return None
-        steps = steps_for(num_examples, batch_size, epochs, None)
+        steps = fit_steps(num_examples, batch_size, epochs)
         return dp_sgd_event(batch_size / num_examples, float(sigma), steps)
 
     # ------------------------------------------------------------------ the release

@@ -33,12 +33,30 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from tf_dp import _checks
 from tf_dp.accounting import accountant
-from tf_dp.accounting.accountant import RDP_ORDERS, dp_sgd_event, steps_for
+from tf_dp.accounting.accountant import RDP_ORDERS, dp_sgd_event
 from tf_dp.tuning.distributions import PoissonTrials, TruncatedNegativeBinomial, check_distribution
 
 ORDERS = tuple(float(a) for a in RDP_ORDERS)
 _MEAN_SEARCH_RANGE = (1.0, 1e6)  # calibrate_mean_trials looks for E[K] in this range
 _MEAN_RELATIVE_TOLERANCE = 1e-3
+
+
+def fit_steps(num_examples: int, batch_size: int, epochs: Optional[int] = None, steps: Optional[int] = None) -> int:
+    """T of a DP ``fit``: ``epochs`` epochs of ⌈N/L⌉ steps each (fit's epoch, which
+    ``compile(target_epsilon=...)`` calibrates for too), or ``steps``.
+
+    Args:
+      num_examples, batch_size: N and L.
+      epochs, steps: exactly one (epochs a whole number, as ``fit`` takes it).
+
+    Returns:
+      T.
+    """
+    if (epochs is None) == (steps is None):
+        raise ValueError("Pass exactly one of `epochs` or `steps`.")
+    if steps is not None:
+        return _checks.positive_int("steps", steps)
+    return _checks.positive_int("epochs", epochs) * math.ceil(num_examples / batch_size)
 
 
 def _orders(orders: Sequence[float]) -> np.ndarray:
@@ -135,7 +153,7 @@ def one_trial_epsilon(rdp: Sequence[float], delta: float, orders: Sequence[float
 
 
 def calibrate_noise_multiplier(target_epsilon: float, distribution, num_examples: int, batch_size: int,
-                               epochs: Optional[float] = None, steps: Optional[int] = None, delta: float = 1e-5,
+                               epochs: Optional[int] = None, steps: Optional[int] = None, delta: float = 1e-5,
                                score_event: Optional[dp_event.DpEvent] = None) -> float:
     """Smallest σ (to 0.1 %, the project's σ search) whose SEARCH meets ``target_epsilon``: every
     trial T Poisson-sampled DP-SGD steps at q = batch_size/num_examples and σ, then its score.
@@ -143,7 +161,8 @@ def calibrate_noise_multiplier(target_epsilon: float, distribution, num_examples
     Args:
       target_epsilon: the total ε of the tuning (the ε of the model shipped).
       distribution: the law of K.
-      num_examples, batch_size, epochs, steps: the trial's training (as ``compute_epsilon``).
+      num_examples, batch_size, epochs, steps: the trial's training (T = ``fit_steps``: epochs of
+        ⌈N/L⌉ steps, as ``fit`` runs them).
       delta: δ.
       score_event: the event of one trial's noisy score (``NoisyAccuracy.event``), if any.
 
@@ -154,7 +173,7 @@ def calibrate_noise_multiplier(target_epsilon: float, distribution, num_examples
     distribution, delta = check_distribution(distribution), _checks.delta(delta)
     num_examples = _checks.positive_int("num_examples", num_examples)
     batch_size = _checks.batch_size_for(num_examples, batch_size)
-    total_steps = steps_for(num_examples, batch_size, epochs, steps)
+    total_steps = fit_steps(num_examples, batch_size, epochs, steps)
 
     def epsilon_at(sigma: float) -> float:
         training = dp_sgd_event(batch_size / num_examples, sigma, total_steps)

@@ -14,8 +14,8 @@ import numpy as np
 from dp_accounting import dp_event
 
 from tf_dp import _checks
-from tf_dp.accounting.accountant import dp_sgd_event, steps_for
-from tf_dp.tuning.selection import ORDERS, _orders, trial_rdp
+from tf_dp.accounting.accountant import dp_sgd_event
+from tf_dp.tuning.selection import ORDERS, _orders, fit_steps, trial_rdp
 
 _SLACK = 1e-9  # relative: a trial equal to a candidate passes despite float round-off
 
@@ -60,7 +60,8 @@ class TrialBound:
           num_examples: N of every trial's training set.
           noise_multiplier: σ or the list of σ the search may use.
           batch_size: L or the list of L.
-          epochs, steps: exactly one, a value or a list (T = ⌈epochs·N/L⌉ or steps).
+          epochs, steps: exactly one, a value or a list (T = epochs·⌈N/L⌉, as ``fit`` runs
+            them, or steps).
           orders: RDP orders.
 
         Returns:
@@ -74,7 +75,7 @@ class TrialBound:
         lengths = _choices("epochs" if steps is None else "steps", epochs if steps is None else steps)
         events = []
         for sigma, batch, length in itertools.product(sigmas, batches, lengths):
-            total = steps_for(num_examples, batch, length, None) if steps is None else steps_for(
+            total = fit_steps(num_examples, batch, length, None) if steps is None else fit_steps(
                 num_examples, batch, None, length)
             events.append(dp_sgd_event(batch / num_examples, sigma, total))
         description = {"mechanism": "dp_sgd_poisson", "num_examples": num_examples, "noise_multiplier": sigmas,
