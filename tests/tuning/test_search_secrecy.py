@@ -70,3 +70,25 @@ def test_the_seed_of_k_is_in_no_artifact_and_no_message(tmp_path, monkeypatch, c
     for spelling in secret_spellings():
         assert not any(spelling in text for text in texts), spelling
     assert "Trial" not in output.out + output.err  # KerasTuner's per-trial lines (their count is K) are off
+
+
+def test_every_trial_builds_a_model_with_the_same_names():
+    """Keras numbers auto-named objects process-wide (dense, dense_1, ...): without care, the
+    released model's names would count the trials built before it."""
+    names = []
+
+    def build(hp):
+        model = _tiny.build(hp)
+        names.append(json.dumps(sorted(layer.name for layer in model.layers) + [model.name, model.optimizer.name]))
+        return model
+
+    class ThreeTrials(PoissonTrials):
+        def sample(self, generator):
+            return 3
+
+    tuner = PrivateRandomSearch(build, distribution=ThreeTrials(3.0), public_validation_data=_tiny.data(1),
+                                trial_bound=TrialBound.dp_sgd(_tiny.N, _tiny.SIGMA, _tiny.BATCH, epochs=_tiny.EPOCHS))
+    names.clear()  # the builds KerasTuner makes to read the search space
+    x, y = _tiny.data(0)
+    tuner.search(x, y, batch_size=_tiny.BATCH, epochs=_tiny.EPOCHS)
+    assert len(names) == 3 and len(set(names)) == 1, names

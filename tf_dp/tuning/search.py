@@ -8,7 +8,9 @@ What holds by construction:
   go to a private temporary directory that ``search`` deletes (their number would be K);
   its oracle is written with ``max_trials=None`` and the public seed 1, and it draws every
   trial's hyperparameters independently (with replacement) from OS entropy, so the trials
-  are K independent runs of the same randomized trial, as the theorem assumes;
+  are K independent runs of the same randomized trial, as the theorem assumes; every trial
+  builds its model from the same Keras name counters (else the released model's layer names,
+  dense_7, would count the trials before it);
 * the per-trial curve (``trial_bound`` + the score's cost) is fixed in ``__init__``; every
   trial's ledger is checked against it after training, and a trial above it stops the
   search with nothing released;
@@ -21,6 +23,9 @@ What holds by construction:
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import copy
 import json
 import os
 import secrets
@@ -153,7 +158,8 @@ class PrivateRandomSearch(keras_tuner.Tuner):
         if trial.status != TrialStatus.RUNNING:
             raise keras_tuner.errors.FatalRuntimeError("The oracle stopped before the drawn number of trials.")
         self.on_trial_begin(trial)
-        self._try_run_and_update_trial(trial, *fit_args, **fit_kwargs)
+        with _keras_names_as_before():
+            self._try_run_and_update_trial(trial, *fit_args, **fit_kwargs)
         self.on_trial_end(trial)
 
     def run_trial(self, trial, *fit_args, **fit_kwargs):
@@ -283,6 +289,22 @@ class PrivateRandomSearch(keras_tuner.Tuner):
 
 class _FatalTrialOutsideBound(keras_tuner.errors.FatalValueError, TrialOutsideBound):
     """TrialOutsideBound that KerasTuner does not swallow as a failed trial: it stops the search."""
+
+
+@contextlib.contextmanager
+def _keras_names_as_before():
+    """Keras names objects from process-wide counters (dense, dense_1, ...; the model, its
+    layers, the optimizer): every trial starts from the same counters, so the released model's
+    names do not count the trials built before it."""
+    from keras.src.backend.common import global_state
+
+    counters = global_state.get_global_attribute("object_name_uids", default=collections.defaultdict(int),
+                                                 set_to_default=True)
+    saved = copy.deepcopy(counters)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("object_name_uids", saved)
 
 
 def _declared_score(public_validation_data, noisy_score):
