@@ -11,10 +11,11 @@ selection's curve ε'(λ) follows §14 exactly:
       ε'(λ) = ε(λ) + min_{λ̂ ≥ 1} [(1 + η)(1 − 1/λ̂)·ε(λ̂) + (1 + η)·ln(1/γ)/λ̂] + ln E[K]/(λ − 1),
 
   with λ̂ over {1} ∪ the orders: at λ̂ = 1 the ε(λ̂) term vanishes (ε(1) ≤ ε(λ_min) < ∞, the
-  Rényi divergence growing with its order). Not the public code's variant (figure7.py), which
-  writes ln((1 − γ)/γ) in the λ̂ term for η ≥ 0 but, for η > 0, ln E[K] − ln(1 − γ) in the last
-  one: it equals Theorem 2 at η = 1, is tighter at η = 0 and neither tighter nor looser
-  elsewhere, and is not the stated theorem.
+  Rényi divergence growing with its order). The authors' public code (figure7.py) has three
+  forms: its geometric one (η = 1) is Theorem 2; its logarithmic one (η = 0) writes
+  ln((1 − γ)/γ) in the λ̂ term (tighter); its negative binomial one (η > 0) writes ln((1 − γ)/γ)
+  in the λ̂ term and ln E[K] − ln(1 − γ) in the last (neither tighter nor looser). Only
+  Theorem 2 is a stated theorem: tf_dp uses it for every η.
 * Poisson (μ): ε'(λ) = ε(λ) + μ·δ̂(λ) + ln μ/(λ − 1), δ̂(λ) the δ of one trial at
   ε̂ = ln(1 + 1/(λ − 1)) from its RDP curve (dp_accounting's ``compute_delta``).
 
