@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import secrets
@@ -257,7 +258,7 @@ class PrivateRandomSearch(keras_tuner.Tuner):
         return {
             "epsilon": self.epsilon(), "delta": self._delta, "accountant": "rdp",
             "steps": int(model.privacy_ledger.steps.numpy()),
-            "phases": [_phase_dict(p) for p in phases],
+            "phases": [dataclasses.asdict(p) for p in phases],
             "unit": unit, "adjacency": events.adjacency(unit), "tf_dp_version": _version(),
             "tuning": {
                 "method": "private random search: best of K trials, K random (Papernot & Steinke, ICLR 2022; "
@@ -330,9 +331,3 @@ def _check_fresh_dp_model(model) -> None:
         raise keras_tuner.errors.FatalValueError(
             "The hypermodel built a model that has trained already: its earlier steps are outside the trial's bound. "
             "Build a fresh model in build(hp).")
-
-
-def _phase_dict(phase) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(phase)
