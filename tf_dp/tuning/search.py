@@ -128,7 +128,16 @@ class PrivateRandomSearch(keras_tuner.Tuner):
     # ------------------------------------------------------------------ the search
     def search(self, *fit_args, **fit_kwargs):
         """Draws K from OS entropy, runs K trials (each ``hypermodel.fit`` on the given data,
-        silently), keeps the best; deletes KerasTuner's files. Runs once per tuner."""
+        silently), keeps the best; deletes KerasTuner's files. Runs once per tuner.
+
+        Args:
+          *fit_args, **fit_kwargs: what every trial's ``fit`` gets (x, y, batch_size, epochs,
+            callbacks, ...); ``validation_data`` and ``validation_split`` are refused and
+            ``verbose`` is 0.
+
+        Returns:
+          None; the best trial is ``best_model`` / ``release``.
+        """
         for name in _REFUSED_FIT_ARGUMENTS:
             if name in fit_kwargs:
                 raise ValueError(
