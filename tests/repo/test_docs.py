@@ -110,26 +110,55 @@ def test_readme_links_point_at_files():
         assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
 
 
-@pytest.mark.slow
-def test_the_site_builds_in_strict_mode(tmp_path):
-    """`mkdocs build --strict`: a broken link, a missing page or an unresolved API reference fails."""
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+    """The site built by `mkdocs build --strict` (a broken link, a missing page or an unresolved
+    API reference fails the build)."""
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings_handlers") is None:
         pytest.skip('mkdocs / mkdocstrings-python not installed (pip install -e ".[docs]"; '
                     "scripts/install.sh --tests installs them)")
     assert (ROOT / "mkdocs.yml").exists(), "no mkdocs.yml: the documentation site is not configured"
     if not (ROOT / "docs" / "guides" / "tuning.md").exists():
         pytest.skip("docs/guides/tuning.md (the hyperparameter-tuning guide the nav links) is not in this tree yet")
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("site")
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
-    index = (site / "index.html").read_text()
+    yield site
+    shutil.rmtree(site, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_the_site_builds_in_strict_mode(built_site):
+    index = (built_site / "index.html").read_text()
     assert "Getting started" in index and "API reference" in index
-    api = (site / "api" / "tf_dp" / "index.html").read_text()
+    api = (built_site / "api" / "tf_dp" / "index.html").read_text()
     for name in ("tf_dp.DPModel", "tf_dp.DPSGD", "tf_dp.make_private", "tf_dp.PrivacyBudget"):
         assert f'id="{name}"' in api, f"the API reference has no entry for {name}"
-    shutil.rmtree(site)
+
+
+def rendered_dom(browser: str, page: pathlib.Path) -> str:
+    """The page's DOM after a headless Chromium has loaded it and run its scripts."""
+    done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_the_site_renders_in_a_headless_browser(built_site):
+    """The index, a guide and the API page, as Chromium renders them: title, navigation, an API entry."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no Chromium (Debian: apt-get install chromium; scripts/install.sh --tests does where apt is)")
+    index = rendered_dom(browser, built_site / "index.html")
+    assert "<title>tf_dp</title>" in index
+    assert 'class="md-nav' in index and "Getting started" in index and "BandMF correlated noise" in index
+    guide = rendered_dom(browser, built_site / "guides" / "bandmf" / "index.html")
+    assert "BandMF: banded matrix-factorization correlated noise" in guide and 'class="md-nav' in guide
+    api = rendered_dom(browser, built_site / "api" / "tf_dp" / "index.html")
+    assert 'id="tf_dp.DPModel"' in api and "l2_norm_clip" in api
 
 
 # -- docstring coverage ratchet -------------------------------------------------------------------
