@@ -161,6 +161,16 @@ def test_the_site_renders_in_a_headless_browser(built_site):
     assert 'id="tf_dp.DPModel"' in api and "l2_norm_clip" in api
 
 
+def test_result_files_named_on_the_results_page_exist():
+    """docs/results.md names the JSON each figure came from; every name must be a file (or glob)."""
+    text = (ROOT / "docs" / "results.md").read_text()
+    section = text[text.index("## Where each table's figures are stored"):]
+    names = re.findall(r"`([A-Za-z0-9_./*]+\.(?:json|jsonl|md|png))`", section)
+    assert len(names) > 20
+    for name in names:
+        assert list((ROOT / "benchmarks" / "results").glob(name)), f"results.md names {name}: not found"
+
+
 # -- docstring coverage ratchet -------------------------------------------------------------------
 
 PUBLIC_PACKAGES = ["tf_dp"] + [f"tf_dp.{name}" for name in (
