@@ -16,14 +16,22 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # the accountant needs no Te
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("num_examples", None, "N, the number of training examples.")
-flags.DEFINE_integer("batch_size", None, "L, the expected Poisson batch size.")
-flags.DEFINE_float("noise_multiplier", None, "σ.")
-flags.DEFINE_float("epochs", None, "Epochs (T = ⌈epochs·N/L⌉ steps); or --steps.")
-flags.DEFINE_integer("steps", None, "Number of steps T; or --epochs.")
-flags.DEFINE_float("delta", 1e-5, "δ.")
-flags.DEFINE_enum("accountant", "rdp", ["rdp", "pld"], "Accountant.")
-flags.DEFINE_float("target_epsilon", None, "Target ε (calibrate).")
+
+
+def _define_flags() -> None:
+    """The command's flags, defined when the command runs (not at import: ``report`` is a library
+    function too, and absl's flags are one global table another program may fill)."""
+    if "num_examples" in FLAGS:
+        return
+    flags.DEFINE_integer("num_examples", None, "N, the number of training examples.")
+    flags.DEFINE_integer("batch_size", None, "L, the expected Poisson batch size.")
+    flags.DEFINE_float("noise_multiplier", None, "σ.")
+    flags.DEFINE_float("epochs", None, "Epochs (T = ⌈epochs·N/L⌉ steps); or --steps.")
+    flags.DEFINE_integer("steps", None, "Number of steps T; or --epochs.")
+    flags.DEFINE_float("delta", 1e-5, "δ.")
+    flags.DEFINE_enum("accountant", "rdp", ["rdp", "pld"], "Accountant.")
+    flags.DEFINE_float("target_epsilon", None, "Target ε (calibrate).")
+
 
 COMMANDS = ("epsilon", "calibrate", "report")
 
@@ -111,6 +119,7 @@ def main(argv):
 
 
 def run():
+    _define_flags()
     app.run(main)
 
 

@@ -826,8 +826,9 @@ class SerializedSource(ExampleSource):
         """The flat (x, y) leaves of ``parse(serialized)`` as numpy arrays, checked against the
         spec; None if it fails (a single record's failure is noted in the log)."""
         try:
-            flat = [np.asarray(t) for t in tf.nest.flatten(tuple(self._parse_batch(
-                tf.constant(serialized, tf.string))))]
+            # Eagerly, op by op: a traced graph's arithmetic rewrites (x / 255 → x · (1/255)) would
+            # round differently from the parse the user wrote and tested.
+            flat = [np.asarray(t) for t in tf.nest.flatten(tuple(self.parse(tf.constant(serialized, tf.string))))]
             for leaf, spec in zip(flat, tf.nest.flatten(self.spec)):
                 if leaf.shape != (len(rows), *spec.shape) or tf.as_dtype(leaf.dtype) != spec.dtype:
                     raise ValueError(f"parsed as {tf.as_dtype(leaf.dtype).name}{list(leaf.shape[1:])}")
