@@ -76,7 +76,8 @@ def per_example_loss(loss, loss_weights=None, output_names: Optional[Sequence[st
     naming `loss`) a loss without one value per example or whose ℓ_i depends on other rows."""
     if loss is None:
         raise ValueError("`loss` is required: DP training clips the gradient of each example's loss.")
-    if not isinstance(loss, (list, tuple, dict)) and loss_weights is None:
+    several_outputs = output_names is not None and len(output_names) > 1
+    if not isinstance(loss, (list, tuple, dict)) and loss_weights is None and not several_outputs:
         return _SingleOutputLoss(loss)
     return _MultiOutputLoss(loss, loss_weights, output_names)
 
@@ -97,6 +98,10 @@ class _SingleOutputLoss:
         self.by_weight_total = getattr(resolved, "reduction", None) == "mean_with_sample_weight"
 
     def __call__(self, y_true, y_pred):
+        if tf.nest.is_nested(y_pred):  # one loss for every output, as Keras' CompileLoss broadcasts it
+            if not hasattr(self, "_every_output"):
+                self._every_output = _MultiOutputLoss(self.identifier, None, None)
+            return self._every_output(y_true, y_pred)
         y_true, sample_weight = unpack_targets(y_true)
         y_true = tf.convert_to_tensor(y_true)
         if self.unreduced is None:  # "crossentropy": binary, sparse or categorical by the shapes, as Keras
