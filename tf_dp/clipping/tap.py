@@ -132,6 +132,9 @@ class LayerTap:
             values = self.fallback.values(layer)
             outputs = use.tapped_call(layer, original_call, recordings, *args, **kwargs)
             recording = recordings[-1]
+            if getattr(recording, "replay_instead", None):  # the rule found the call is not what it models
+                self.replayed.add(id(layer))
+                use = self.fallback
             recording.call_inputs, recording.values = (args, kwargs), values
             recording.batched_inputs, recording.batch_free = batched, kind == BATCH_FREE
             if use is not self.fallback:
