@@ -399,11 +399,15 @@ def _variable_contribution(variable, uses: list) -> _VariablePart:
     shape = tuple(variable.shape)
     dense_uses = [(use, grad) for use, grad in uses if _dense_matrix(use) is not None]
     if len(dense_uses) == len(uses) and len({_dense_matrix(use)[2:] for use, _ in uses}) == 1:
-        activations = [_dense_matrix(use)[0](use.activation) for use, _ in uses]
-        grads = [_dense_matrix(use)[1](grad) for use, grad in uses]
         transposed = _dense_matrix(uses[0][0])[2]
-        contribution = dense.DenseContribution(tf.concat(activations, axis=1), tf.concat(grads, axis=1),
-                                               has_bias=False, flat=False)
+        (use, grad), = uses if len(uses) == 1 else [(None, None)]
+        if use is not None and use.op.type == "MatMul":  # [P, d] @ [d, k]: the product form ‖a_i‖²‖s_i‖²
+            contribution = dense.DenseContribution(use.activation, grad, has_bias=False, flat=True)
+        else:
+            activations = [_dense_matrix(use)[0](use.activation) for use, _ in uses]
+            grads = [_dense_matrix(use)[1](grad) for use, grad in uses]
+            contribution = dense.DenseContribution(tf.concat(activations, axis=1), tf.concat(grads, axis=1),
+                                                   has_bias=False, flat=False)
         return _VariablePart(contribution, lambda total: _matrix_to_variable(total, transposed, shape))
     per_example = tf.add_n([_explicit(use, grad, shape) for use, grad in uses])
     return _VariablePart(MaterializedContribution([per_example]), lambda total: tf.reshape(total, shape))

@@ -43,7 +43,7 @@ from keras.src.backend.common import variables as keras_variables
 
 from tf_dp.clipping.example_axis import BatchDependence, Dependence, broadcast_uses
 from tf_dp.clipping.layer_per_example import LayerPerExampleRule
-from tf_dp.clipping.registry import GhostRule, ghost_rule_for
+from tf_dp.clipping.registry import GhostRule, resolve_rule
 
 BATCHED, BATCH_FREE, MIXED = "batched", "batch-free", "mixed"
 
@@ -59,7 +59,7 @@ class LayerTap:
     def __init__(self, layers, use_ghost_rules: bool = True, batch_size=None, batch_inputs=None):
         self.fallback = LayerPerExampleRule(self)
         self.units: list[tuple[object, GhostRule]] = [
-            (layer, (ghost_rule_for(layer) if use_ghost_rules else None) or self.fallback) for layer in layers
+            (layer, (resolve_rule(layer) if use_ghost_rules else None) or self.fallback) for layer in layers
         ]
         self.recordings = {id(layer): [] for layer, _ in self.units}
         self.replayed = set()  # ids of layers with a call their rule does not model
