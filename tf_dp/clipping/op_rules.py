@@ -80,7 +80,7 @@ class OpLevelRule(GhostRule):
         outputs = original_call(*args, **kwargs)
         new_ops = graph.get_operations()[known:]
         arguments = [t for t in tf.nest.flatten((args, kwargs)) if tf.is_tensor(t) and t.shape.rank]
-        uses, reason = find_uses(self.variables(layer), new_ops, arguments)
+        uses, reason = find_uses(self.variables(layer), new_ops, arguments, tf.nest.flatten(outputs))
         if uses is None:
             return _replay_instead(layer, original_call, recordings, outputs, reason, args, kwargs)
         recordings.append(Recording([use.activation for use in uses], [use.output for use in uses], extras=uses))
@@ -104,9 +104,10 @@ class _Use:
         self.operand_shape = chain_shape  # static shape of the operand as the op reads it
 
 
-def find_uses(variables: list, new_ops: list, arguments: list):
+def find_uses(variables: list, new_ops: list, arguments: list, outputs: list = ()):
     """(uses, None) when every read of every variable among ``new_ops`` reaches a known op
-    as its weight operand with an example-major activation, else (None, reason)."""
+    as its weight operand with an example-major activation (and no value of a variable is
+    an output of the call, which later ops could use unseen), else (None, reason)."""
     values = _variable_values(variables, new_ops)
     if isinstance(values, str):
         return None, values
@@ -114,7 +115,8 @@ def find_uses(variables: list, new_ops: list, arguments: list):
     uses = []
     for index, tensors in values.items():
         for tensor in tensors:
-            found = _uses_of(index, tensor, layout, set(op.name for op in new_ops))
+            found = _uses_of(index, tensor, layout, set(op.name for op in new_ops),
+                             {t.ref() for t in outputs if tf.is_tensor(t)})
             if isinstance(found, str):
                 return None, f"variable {variables[index].path!r}: {found}"
             uses += found
@@ -159,11 +161,13 @@ def _outer_source(tensor):
     return tensor
 
 
-def _uses_of(index: int, value, layout: dict, inside: set):
+def _uses_of(index: int, value, layout: dict, inside: set, outputs: set):
     """The known ops the read ``value`` reaches through value-keeping ops, or a reason."""
     uses, frontier = [], [value]
     while frontier:
         tensor = frontier.pop()
+        if tensor.ref() in outputs:
+            return "the call returns it"
         for consumer in tensor.consumers():
             if consumer.name not in inside:
                 continue
@@ -190,7 +194,8 @@ def _known_use(index: int, op, weight, layout: dict):
     activation = others[0]
     if layout.get(activation.ref()) != MAJOR:
         return f"the other operand of its {op.type} op has an {layout.get(activation.ref(), OTHER)}"
-    if kind == "elementwise" and not _broadcasts_within_rows(weight, op.outputs[0]):
+    if kind == "elementwise" and not (_broadcasts_within_rows(weight, op.outputs[0])
+                                      and activation.shape.rank == op.outputs[0].shape.rank):
         return f"its {op.type} op broadcasts it against the example axis"
     return _Use(index, op, position, activation, tuple(weight.shape))
 
@@ -272,7 +277,9 @@ def _major_if_kept(op, inputs: list) -> str:
         return OTHER
     rank, kind = out.shape.rank, op.type
     if kind in ELEMENTWISE:
-        return MAJOR if rank >= 1 and all(t.shape.rank == rank for t in majors) else OTHER
+        frees = [t for t, k in zip(op.inputs, inputs) if k == FREE]
+        rows_kept = all(t.shape.rank is not None and (t.shape.rank < rank or t.shape[0] in (None, 1)) for t in frees)
+        return MAJOR if rank >= 1 and rows_kept and all(t.shape.rank == rank for t in majors) else OTHER
     if kind in ("Softmax", "LogSoftmax"):
         return MAJOR if rank >= 2 else OTHER
     if kind in REDUCTIONS or kind in ("ArgMax", "ArgMin"):

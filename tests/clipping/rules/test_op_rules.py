@@ -113,6 +113,17 @@ class ExamplesOnAxisOne(keras.layers.Layer):
         return ops.transpose(ops.matmul(swapped, self.kernel), (1, 0, 2))
 
 
+class ExamplesFolded(keras.layers.Layer):
+    """Folds the positions into the example axis ([P, T, d] → [P·T, d]) for the matmul: axis 0 of
+    the activation is no longer the examples. Must be replayed."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], input_shape[-1]), name="kernel")
+
+    def call(self, x):
+        return ops.reshape(ops.matmul(ops.reshape(x, (-1, x.shape[-1])), self.kernel), (-1,) + tuple(x.shape[1:]))
+
+
 def model_around(layer, shape):
     keras.utils.set_random_seed(3)
     inputs = keras.Input(shape)
@@ -135,6 +146,7 @@ REPLAYED = {
     "under_tanh": lambda: model_around(UnderTanh(), (6,)),
     "squared": lambda: model_around(Squared(), (6,)),
     "examples_on_axis_one": lambda: model_around(ExamplesOnAxisOne(), (BATCH, 5)),  # P = T
+    "examples_folded": lambda: model_around(ExamplesFolded(), (3, 5)),
 }
 
 
