@@ -112,14 +112,18 @@ def find_uses(variables: list, new_ops: list, arguments: list, outputs: list = (
     if isinstance(values, str):
         return None, values
     layout = _layouts(new_ops, arguments, {t.ref() for tensors in values.values() for t in tensors})
+    names = {op.name for op in new_ops}
     uses = []
     for index, tensors in values.items():
+        before = len(uses)
         for tensor in tensors:
-            found = _uses_of(index, tensor, layout, set(op.name for op in new_ops),
+            found = _uses_of(index, tensor, layout, names,
                              {t.ref() for t in outputs if tf.is_tensor(t)})
             if isinstance(found, str):
                 return None, f"variable {variables[index].path!r}: {found}"
             uses += found
+        if len(uses) == before:
+            return None, f"variable {variables[index].path!r} is read but reaches no op of the call"
     return uses, None
 
 
