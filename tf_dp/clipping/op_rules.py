@@ -29,7 +29,10 @@ fixing axis 0, reshapes keeping the static product of the other axes, softmax ov
 axis ≥ 1, matmul/einsum/conv with a batch-free operand. Anything else — a variable under a
 non-linearity (``matmul(x, tanh(W))``, ``W ** 2``), a read by a nested function, an activation
 of unproven layout — sends the layer to the per-example replay (layer_per_example.py), with a
-warning once per layer naming the reason.
+warning once per layer naming the reason. When another call of the layer is replayed (a
+batch-free call), the replay of a call this rule recorded differentiates the layer's outputs
+only (the recorded op outputs enter it under stop_gradient: their gradients already include
+the paths through the later ops, so they would count those paths twice).
 """
 
 from __future__ import annotations
@@ -75,16 +78,31 @@ class OpLevelRule(GhostRule):
         return bool(args) and tf.is_tensor(args[0]) and not tf.executing_eagerly()
 
     def tapped_call(self, layer, original_call, recordings, *args, **kwargs):
-        graph = tf.compat.v1.get_default_graph()
-        known = len(graph.get_operations())
-        outputs = original_call(*args, **kwargs)
-        new_ops = graph.get_operations()[known:]
-        arguments = [t for t in tf.nest.flatten((args, kwargs)) if tf.is_tensor(t) and t.shape.rank]
-        uses, reason = find_uses(self.variables(layer), new_ops, arguments, tf.nest.flatten(outputs))
+        outputs, uses, reason = _traced_call(self.variables(layer), original_call, args, kwargs)
         if uses is None:
             return _replay_instead(layer, original_call, recordings, outputs, reason, args, kwargs)
-        recordings.append(Recording([use.activation for use in uses], [use.output for use in uses], extras=uses))
+        outputs, indices = independent_outputs(outputs)
+        flat = tf.nest.flatten(outputs)
+        watched = [use.output for use in uses] + [flat[i] for i in indices]  # op outputs, then the layer's
+        recording = Recording([use.activation for use in uses], watched, extras=uses)
+        recording.replay = self._replay(layer, original_call, len(uses), indices)
+        recordings.append(recording)
         return outputs
+
+    def _replay(self, layer, original_call, count: int, indices: list):
+        """The recording's replay for the per-example fallback (when another call of the layer
+        is replayed): the watched op outputs under stop_gradient and the layer's outputs, so
+        that the replay's vector-Jacobian product Σ_k J_kᵀ g_k counts the layer's outputs only
+        (each op output's gradient already holds the paths through the later ops)."""
+        def replay(*args, **kwargs):
+            outputs, uses, reason = _traced_call(self.variables(layer), original_call, args, kwargs)
+            if uses is None or len(uses) != count:
+                raise ValueError(f"tf_dp: the per-example replay of layer {layer.name!r} does not build the ops its "
+                                 f"batch call did ({reason or 'another number of uses'}); use "
+                                 "clipping_engine='vectorized'.")
+            flat = tf.nest.flatten(outputs)
+            return [tf.stop_gradient(use.output) for use in uses] + [flat[i] for i in indices]
+        return replay
 
     def contribution(self, layer, recordings, output_grads):
         variables = self.variables(layer)
@@ -93,6 +111,17 @@ class OpLevelRule(GhostRule):
             for use, grad in zip(recording.extras, grads):
                 by_variable[use.variable].append((use, tf.zeros_like(use.output) if grad is None else grad))
         return _LayerContribution([_variable_contribution(variables[k], by_variable[k]) for k in by_variable])
+
+
+def _traced_call(variables, original_call, args, kwargs):
+    """(outputs, uses, reason): the call run in the current graph, and ``find_uses`` on its ops."""
+    graph = tf.compat.v1.get_default_graph()
+    known = len(graph.get_operations())
+    outputs = original_call(*args, **kwargs)
+    new_ops = graph.get_operations()[known:]
+    arguments = [t for t in tf.nest.flatten((args, kwargs)) if tf.is_tensor(t) and t.shape.rank]
+    uses, reason = find_uses(variables, new_ops, arguments, tf.nest.flatten(outputs))
+    return outputs, uses, reason
 
 
 class _Use:

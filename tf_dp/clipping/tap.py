@@ -137,7 +137,7 @@ class LayerTap:
                 use = self.fallback
             recording.call_inputs, recording.values = (args, kwargs), values
             recording.batched_inputs, recording.batch_free = batched, kind == BATCH_FREE
-            if use is not self.fallback:
+            if use is not self.fallback and getattr(recording, "replay", None) is None:  # (a rule may give its own)
                 recording.replay = _rule_replay(use, layer, original_call)
             return outputs
 

@@ -178,3 +178,32 @@ def test_other_layers_are_replayed_exactly_with_a_warning(name):
 
 def test_op_level_rule_under_xla_matches_graph_mode():
     assert_xla_matches_graph_mode(GHOST["read_twice"], atol=1e-5)
+
+
+class LinearWithBias(keras.layers.Layer):
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 6), name="kernel")
+        self.bias = self.add_weight(shape=(6,), initializer="random_normal", name="bias")
+
+    def call(self, x):
+        return ops.matmul(x, self.kernel) + self.bias
+
+
+class BatchFreeSecondCall(keras.Model):
+    """The same op-level layer called on the batch and on a batch-free tensor: the second call
+    sends the layer to the per-example replay, which must replay the first call exactly too."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.shared, self.head = keras.layers.Dense(6), LinearWithBias(), keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.head(self.shared(self.hidden(x)) + self.shared(ops.ones((1, 6))))
+
+
+def test_a_layer_replayed_for_another_call_is_replayed_exactly_in_all_calls():
+    keras.utils.set_random_seed(5)
+    model = BatchFreeSecondCall()
+    model(np.zeros((2, 6), "float32"))
+    caught = warnings_of(model, np.random.default_rng(6).normal(size=(BATCH, 6)).astype("float32"))
+    assert slow_path_warnings(caught)
