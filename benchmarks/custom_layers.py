@@ -1,7 +1,9 @@
 """Step time of DP-SGD on models with layers that have no registered ghost rule (issue 33,
 item 9): keras.io's Antirectifier (a custom layer: a kernel matmul after x − mean,
 l2-normalize and [relu(x), relu(−x)]) and SeparableConv2D (depthwise then pointwise conv).
-Both get their ghost norms from the op-level rule (tf_dp/clipping/op_rules.py).
+Both get their ghost norms from the op-level rule (tf_dp/clipping/op_rules.py). The
+baselines write the same computations with stock layers that have registered rules
+(``dense_baseline``, ``separable_baseline``): the cost of DP with ghost rules on that model.
 
 Each round times the DP step (``DPModel.train_on_batch``, σ = 1) and a plain Keras step
 (``keras.Model.train_on_batch``, SGD) of the same architecture in the same process,
@@ -79,7 +81,20 @@ def separable_conv():
     return inputs, keras.layers.Dense(10)(x), np.random.rand(FLAGS.batch_size, 28, 28, 1).astype("float32")
 
 
-MODELS = {"antirectifier": antirectifier, "dense_baseline": dense_baseline, "separable_conv": separable_conv}
+def separable_baseline():
+    """separable_conv with each SeparableConv2D written as DepthwiseConv2D then a 1×1 Conv2D
+    (stock layers with registered rules; biases and activation placed as SeparableConv2D's)."""
+    inputs = keras.Input((28, 28, 1))
+    x = keras.layers.Conv2D(16, 3, activation="relu")(inputs)
+    x = keras.layers.Conv2D(32, 1, activation="relu")(keras.layers.DepthwiseConv2D(3, use_bias=False)(x))
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Conv2D(64, 1, activation="relu")(keras.layers.DepthwiseConv2D(3, use_bias=False)(x))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return inputs, keras.layers.Dense(10)(x), np.random.rand(FLAGS.batch_size, 28, 28, 1).astype("float32")
+
+
+MODELS = {"antirectifier": antirectifier, "dense_baseline": dense_baseline, "separable_conv": separable_conv,
+          "separable_baseline": separable_baseline}
 
 
 def _ms_per_step(model, x, y, steps):
