@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras import ops
 
 from tests.clipping.rules.models import BATCH, assert_ghost_matches_loop, assert_xla_matches_graph_mode
+from tests.harness import sparse_ce
 from tf_dp.clipping.engine import SlowPathWarning
 from tf_dp.clipping.op_rules import OpLevelReplayWarning
 
@@ -207,3 +208,32 @@ def test_a_layer_replayed_for_another_call_is_replayed_exactly_in_all_calls():
     model(np.zeros((2, 6), "float32"))
     caught = warnings_of(model, np.random.default_rng(6).normal(size=(BATCH, 6)).astype("float32"))
     assert slow_path_warnings(caught)
+
+
+@pytest.mark.parametrize("name", ["separable_conv_same", "read_twice", "custom_conv"])
+def test_evaluation_points_at_other_weights_match_the_replay(name, monkeypatch):
+    """DiSK/FIBER's observation 0.7·∇ℓ(θ + δ) + 0.3·∇ℓ(θ): the weights of the first point come
+    from a StatelessScope, not from variable reads; the op-level rule gives the norms and
+    clipped sums of the per-example replay of the same model (the rule switched off)."""
+    from tf_dp.clipping import EvaluationPoint, clipped_gradient_sum, registry
+
+    model, x = GHOST[name]()
+    y = np.random.default_rng(0).integers(0, 3, BATCH)
+    rng = np.random.default_rng(1)
+    weights = [tf.constant(v + 0.1 * rng.normal(size=v.shape).astype("float32")) for v in model.trainable_variables]
+    points = (EvaluationPoint(0.7, weights), EvaluationPoint(0.3))
+
+    def clipped():
+        model.__dict__.pop("_tf_dp_traced_steps", None)  # a new trace, with the rules in force now
+        return clipped_gradient_sum(model, sparse_ce, tf.constant(x), tf.constant(y), tf.ones(BATCH), 0.5,
+                                    points=points)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ghost = clipped()
+    assert not slow_path_warnings(caught)
+    monkeypatch.setattr(registry, "_OP_LEVEL", [])
+    replayed = clipped()
+    np.testing.assert_allclose(np.sqrt(ghost.squared_norms), np.sqrt(replayed.squared_norms), rtol=1e-5)
+    for got, want in zip(ghost.clipped_sums, replayed.clipped_sums):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)
