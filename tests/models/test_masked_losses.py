@@ -90,3 +90,19 @@ def test_masked_update_and_metrics_match_the_masked_loss(kind, engine):
     got = flat([(b - v.numpy()) * P for b, v in zip(before, model.trainable_variables)])
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
     np.testing.assert_allclose(logs["acc"], accuracy, rtol=1e-6)
+
+
+def test_masked_loss_with_per_token_sample_weights_matches_keras_on_one_example():
+    """Mask and per-token weights together: ℓ_i = Σ_t m_it w_it ℓ_it / Σ_t m_it, which is the
+    Keras loss with ``sample_weight=w_i`` on a batch of one."""
+    model = seq2seq("dense")
+    x, y = padded_batch()
+    w = np.random.default_rng(12).uniform(0.2, 2.0, (P, T)).astype("float32")
+    want = []
+    for i in range(P):
+        with tf.GradientTape() as tape:
+            value = SPARSE_CE(y[i:i + 1], model(x[i:i + 1], training=True), sample_weight=w[i:i + 1])
+        grads = tape.gradient(value, model.trainable_variables)
+        want.append(np.linalg.norm(flat([tf.convert_to_tensor(g) for g in grads])))
+    total, _ = per_example_gradient_norms(model, SPARSE_CE, x, y, sample_weight=w)
+    np.testing.assert_allclose(total.numpy(), want, rtol=1e-5)
