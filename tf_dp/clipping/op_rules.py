@@ -106,11 +106,32 @@ class OpLevelRule(GhostRule):
 
     def contribution(self, layer, recordings, output_grads):
         variables = self.variables(layer)
+        _require_no_later_uses(layer, [use for recording in recordings for use in recording.extras])
         by_variable = {index: [] for index in range(len(variables))}
         for recording, grads in zip(recordings, output_grads):
             for use, grad in zip(recording.extras, grads):
                 by_variable[use.variable].append((use, tf.zeros_like(use.output) if grad is None else grad))
         return _LayerContribution([_variable_contribution(variables[k], by_variable[k]) for k in by_variable])
+
+
+def _require_no_later_uses(layer, uses: list) -> None:
+    """Refuses (ValueError) a variable value of the layer's calls that an op outside every
+    call and outside the backward pass consumes (a value kept by the layer and used later by
+    another layer): that use would be missing from the per-example gradient."""
+    calls = set().union(*(use.call_ops for use in uses))
+    for use in uses:
+        for tensor in use.chain:
+            for consumer in tensor.consumers():
+                if consumer.name not in calls and not _is_backward(consumer):
+                    raise ValueError(
+                        f"tf_dp: a value of a variable of layer {layer.name!r} read in its call is used after the call "
+                        f"by {consumer.type} op {consumer.name!r}: its per-example gradient would miss that use. Read "
+                        "the variable where it is used, or use clipping_engine='vectorized'.")
+
+
+def _is_backward(op) -> bool:
+    """An op of the backward pass (GradientTape's ops are in name scope gradient_tape)."""
+    return "gradient_tape/" in op.name or op.name.startswith("gradients/") or "/gradients/" in op.name
 
 
 def _traced_call(variables, original_call, args, kwargs):
@@ -196,9 +217,10 @@ def _outer_source(tensor):
 
 def _uses_of(index: int, value, layout: dict, inside: set, outputs: set):
     """The known ops the read ``value`` reaches through value-keeping ops, or a reason."""
-    uses, frontier = [], [value]
+    uses, frontier, chain = [], [value], []
     while frontier:
         tensor = frontier.pop()
+        chain.append(tensor)
         if tensor.ref() in outputs:
             return "the call returns it"
         for consumer in tensor.consumers():
@@ -210,6 +232,7 @@ def _uses_of(index: int, value, layout: dict, inside: set, outputs: set):
             use = _known_use(index, consumer, tensor, layout)
             if isinstance(use, str):
                 return use
+            use.chain, use.call_ops = chain, inside
             uses.append(use)
     return uses
 

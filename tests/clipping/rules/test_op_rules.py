@@ -237,3 +237,33 @@ def test_evaluation_points_at_other_weights_match_the_replay(name, monkeypatch):
     np.testing.assert_allclose(np.sqrt(ghost.squared_norms), np.sqrt(replayed.squared_norms), rtol=1e-5)
     for got, want in zip(ghost.clipped_sums, replayed.clipped_sums):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)
+
+
+class KeepsItsKernel(keras.layers.Layer):
+    """Keeps the value of its kernel for a later layer: a use after the call, outside the rule's view."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], input_shape[-1]), name="kernel")
+
+    def call(self, x):
+        self.kept = ops.convert_to_tensor(self.kernel)
+        return ops.matmul(x, self.kept)
+
+
+class UsesTheKeptKernel(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.keeper, self.head = KeepsItsKernel(), keras.layers.Dense(3)
+
+    def call(self, x):
+        hidden = self.keeper(x)
+        return self.head(ops.matmul(hidden, self.keeper.kept))
+
+
+def test_a_variable_value_used_after_the_call_is_exact():
+    """The later use is outside the call the rule sees: the layer must not get the op-level
+    rule's norms without it (the tap sends it through the whole model), norms and clipped sum exact."""
+    keras.utils.set_random_seed(7)
+    model = UsesTheKeptKernel()
+    model(np.zeros((2, 6), "float32"))
+    warnings_of(model, np.random.default_rng(8).normal(size=(BATCH, 6)).astype("float32"))
