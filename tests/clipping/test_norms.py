@@ -143,3 +143,28 @@ def test_unknown_engine_is_refused():
     model, x, y, _, _ = case("sample_weight")
     with pytest.raises(ValueError, match="`engine` must be one of"):
         per_example_gradient_norms(model, SPARSE_CE, x, y, engine="loop")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_output_model_with_one_loss_matches_a_per_example_loop(engine):
+    """One loss for a model with two outputs applies to each output (as Keras' compile):
+    ℓ_i = Σ_o mse(y_o,i, f_o(x_i)); the norms match a GradientTape loop over single examples."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    outputs = [keras.layers.Dense(2, name="first")(hidden), keras.layers.Dense(1, name="second")(hidden)]
+    model = keras.Model(inputs, outputs)
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(P, FEATURES)).astype("float32")
+    y = [rng.normal(size=(P, 2)).astype("float32"), rng.normal(size=(P, 1)).astype("float32")]
+    mse = keras.losses.MeanSquaredError()
+    expected = []
+    for i in range(P):
+        with tf.GradientTape() as tape:
+            first, second = model(x[i:i + 1], training=True)
+            value = mse(y[0][i:i + 1], first) + mse(y[1][i:i + 1], second)
+        grads = tape.gradient(value, model.trainable_variables)
+        expected.append(np.sqrt(sum(np.sum(np.square(g.numpy().astype(np.float64))) for g in grads)))
+    total, per_layer = per_example_gradient_norms(model, "mse", x, y, engine=engine)
+    np.testing.assert_allclose(total.numpy(), expected, rtol=1e-5)
+    assert set(per_layer) == {"hidden", "first", "second"}

@@ -10,6 +10,7 @@ from tf_dp.clipping import normalization as _normalization  # noqa: F401  (RMSNo
 from tf_dp.clipping import position_embedding as _position_embedding  # noqa: F401  (keras-hub PositionEmbedding, by name)
 from tf_dp.clipping import depthwise_conv as _depthwise_conv  # noqa: F401  (DepthwiseConv2D rule)
 from tf_dp.clipping import recurrent as _recurrent  # noqa: F401  (LSTM, GRU, SimpleRNN rule)
+from tf_dp.clipping import op_rules as _op_rules  # noqa: F401  (op-level rule: layers without a registered one)
 from tf_dp.clipping.adaptive import AdaptiveClip
 from tf_dp.clipping.clip import clip_factors
 from tf_dp.clipping.engine import CURRENT_WEIGHTS, ENGINES, ClippedBatch, EvaluationPoint, clipped_gradient_sum, forward

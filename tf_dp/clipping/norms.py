@@ -46,7 +46,7 @@ def per_example_gradient_norms(model, loss: Callable, x, y, engine: str = "ghost
     """
     if engine not in ENGINES:
         raise ValueError(f"`engine` must be one of {ENGINES}, got {engine!r}.")
-    training_loss, targets = _training_loss_and_targets(loss, y, sample_weight, class_weight)
+    training_loss, targets = _training_loss_and_targets(loss, y, sample_weight, class_weight, _output_names(model))
     recorder = _LayerNorms()
 
     def norms(x, targets):
@@ -63,7 +63,17 @@ def per_example_gradient_norms(model, loss: Callable, x, y, engine: str = "ghost
     return tf.sqrt(squared_total), per_layer
 
 
-def _training_loss_and_targets(loss, y, sample_weight, class_weight):
+def _output_names(model):
+    """The output names of a functional model with several outputs (None otherwise): a
+    single loss then applies to each output, a dict of losses is keyed by them (as fit)."""
+    outputs = getattr(model, "outputs", None)
+    try:
+        return list(model.output_names) if outputs and len(outputs) > 1 else None
+    except (AttributeError, ValueError):
+        return None
+
+
+def _training_loss_and_targets(loss, y, sample_weight, class_weight, output_names=None):
     """(ℓ_i as DP training computes it, y packed with the examples' weights as the train step
     packs them): the same per-example loss and weights handling as ``DPModel.fit``."""
     # tf_dp.models imports tf_dp.clipping: imported here, when called.
@@ -77,7 +87,7 @@ def _training_loss_and_targets(loss, y, sample_weight, class_weight):
         with_chunk_axis = tf.expand_dims(tf.convert_to_tensor(y), 0)  # class_weights_of reads [chunks, P, ...]
         sample_weight = class_weights_of(with_chunk_axis, class_weight_table(class_weight))[0]
     targets = y if sample_weight is None else WeightedTargets(y, sample_weight)
-    return per_example_loss(loss), targets
+    return per_example_loss(loss, output_names=output_names), targets
 
 
 class _LayerNorms(ClippingPolicy):

@@ -160,13 +160,36 @@ def _registered_rule(cls) -> Optional[GhostRule]:
     return _RULES.get(cls) or _RULES_BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
 
 
+_OP_LEVEL: list = []  # the op-level rule (op_rules.py), for layers no registered rule models
+
+
+def register_op_level_rule(rule: GhostRule) -> None:
+    """Sets the rule used for layers without a registered rule (op_rules.OpLevelRule)."""
+    _OP_LEVEL[:] = [rule]
+
+
 def ghost_rule_for(layer) -> Optional[GhostRule]:
     """The most specific registered rule that applies to ``layer``, else None.
 
     A rule registered for a class C is used for a subclass only if the subclass inherits
     C's ``call`` unchanged: a subclass with its own ``call`` computes something else (a
-    Dense subclass adding a term, keras-hub's ReversibleEmbedding), so it falls back to the
-    per-example replay unless a rule is registered for the subclass itself."""
+    Dense subclass adding a term, keras-hub's ReversibleEmbedding), so it goes to the
+    op-level rule (``resolve_rule``) unless a rule is registered for the subclass itself."""
+    return _registered_rule_for(layer)
+
+
+def resolve_rule(layer) -> Optional[GhostRule]:
+    """The rule the taps use for ``layer``: its registered rule (``ghost_rule_for``); else
+    the op-level rule (op_rules.py: ghost norms from the linear ops the layer's variables
+    enter, found in the graph of each call — or, for a call it cannot take, the per-example
+    replay), if it applies; else None (the per-example replay)."""
+    rule = _registered_rule_for(layer)
+    if rule is None and _OP_LEVEL and _OP_LEVEL[0].applies_to(layer):
+        return _OP_LEVEL[0]
+    return rule
+
+
+def _registered_rule_for(layer) -> Optional[GhostRule]:
     if _RULES_BY_PUBLIC_NAME:
         _resolve_public_names()
     for cls in type(layer).__mro__:

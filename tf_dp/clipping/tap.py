@@ -43,7 +43,7 @@ from keras.src.backend.common import variables as keras_variables
 
 from tf_dp.clipping.example_axis import BatchDependence, Dependence, broadcast_uses
 from tf_dp.clipping.layer_per_example import LayerPerExampleRule
-from tf_dp.clipping.registry import GhostRule, ghost_rule_for
+from tf_dp.clipping.registry import GhostRule, resolve_rule
 
 BATCHED, BATCH_FREE, MIXED = "batched", "batch-free", "mixed"
 
@@ -59,7 +59,7 @@ class LayerTap:
     def __init__(self, layers, use_ghost_rules: bool = True, batch_size=None, batch_inputs=None):
         self.fallback = LayerPerExampleRule(self)
         self.units: list[tuple[object, GhostRule]] = [
-            (layer, (ghost_rule_for(layer) if use_ghost_rules else None) or self.fallback) for layer in layers
+            (layer, (resolve_rule(layer) if use_ghost_rules else None) or self.fallback) for layer in layers
         ]
         self.recordings = {id(layer): [] for layer, _ in self.units}
         self.replayed = set()  # ids of layers with a call their rule does not model
@@ -132,9 +132,12 @@ class LayerTap:
             values = self.fallback.values(layer)
             outputs = use.tapped_call(layer, original_call, recordings, *args, **kwargs)
             recording = recordings[-1]
+            if getattr(recording, "replay_instead", None):  # the rule found the call is not what it models
+                self.replayed.add(id(layer))
+                use = self.fallback
             recording.call_inputs, recording.values = (args, kwargs), values
             recording.batched_inputs, recording.batch_free = batched, kind == BATCH_FREE
-            if use is not self.fallback:
+            if use is not self.fallback and getattr(recording, "replay", None) is None:  # (a rule may give its own)
                 recording.replay = _rule_replay(use, layer, original_call)
             return outputs
 

@@ -35,6 +35,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.losses import loss as loss_module
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.trainers import compile_utils
 
@@ -76,7 +77,8 @@ def per_example_loss(loss, loss_weights=None, output_names: Optional[Sequence[st
     naming `loss`) a loss without one value per example or whose ℓ_i depends on other rows."""
     if loss is None:
         raise ValueError("`loss` is required: DP training clips the gradient of each example's loss.")
-    if not isinstance(loss, (list, tuple, dict)) and loss_weights is None:
+    several_outputs = output_names is not None and len(output_names) > 1
+    if not isinstance(loss, (list, tuple, dict)) and loss_weights is None and not several_outputs:
         return _SingleOutputLoss(loss)
     return _MultiOutputLoss(loss, loss_weights, output_names)
 
@@ -97,11 +99,15 @@ class _SingleOutputLoss:
         self.by_weight_total = getattr(resolved, "reduction", None) == "mean_with_sample_weight"
 
     def __call__(self, y_true, y_pred):
+        if tf.nest.is_nested(y_pred):  # one loss for every output, as Keras' CompileLoss broadcasts it
+            if not hasattr(self, "_every_output"):
+                self._every_output = _MultiOutputLoss(self.identifier, None, None)
+            return self._every_output(y_true, y_pred)
         y_true, sample_weight = unpack_targets(y_true)
         y_true = tf.convert_to_tensor(y_true)
         if self.unreduced is None:  # "crossentropy": binary, sparse or categorical by the shapes, as Keras
             self._resolve(compile_utils.get_loss(self.identifier, y_true, y_pred))
-        values = _per_row(self.unreduced, y_true, y_pred, sample_weight, self.by_weight_total)
+        values = _per_row(self.unreduced, y_true, y_pred, sample_weight, self.by_weight_total, output_mask(y_pred))
         signature = _signature(y_true, y_pred)
         if signature not in self._probed:
             with tf.init_scope():  # eager, also while a train step is being traced
@@ -278,14 +284,28 @@ def _require_two_argument_call(function) -> None:
         )
 
 
-def _per_row(unreduced, y_true, y_pred, sample_weight=None, by_weight_total: bool = False) -> tf.Tensor:
+def output_mask(y_pred):
+    """The Keras mask of an output (``compute_mask`` of the layer that made it, e.g. an
+    Embedding(mask_zero=True) carried through the sequence layers), or None."""
+    return getattr(y_pred, "_keras_mask", None)
+
+
+def _per_row(unreduced, y_true, y_pred, sample_weight=None, by_weight_total: bool = False,
+             mask=None) -> tf.Tensor:
     """ℓ_i, i < P: the loss's values averaged per example over its non-batch axes, or with
     sample weights w (one per example, or one per value of the loss): Σ_t w_it ℓ_it / T, or
     Σ_t w_it ℓ_it / Σ_t w_it (``by_weight_total``; 0 where an example's weights sum to 0).
-    Both denominators belong to example i alone."""
+    Both denominators belong to example i alone. With a Keras output ``mask`` m (of y_pred,
+    or of the loss values, as keras.losses.Loss reads them; both: their conjunction), the
+    values at masked positions weigh 0 and T becomes example i's own count of unmasked
+    values, Σ_t m_it (0 if none): ℓ_i = Σ_t m_it w_it ℓ_it / Σ_t m_it, resp.
+    Σ_t m_it w_it ℓ_it / Σ_t m_it w_it (docs/algorithms.md §1.2)."""
     y_true = tf.cast(y_true, y_pred.dtype)
     values = tf.convert_to_tensor(unreduced(y_true, y_pred))
     _require_one_value_per_row(values, y_pred)
+    mask = _combined_mask(mask, getattr(values, "_keras_mask", None))
+    if mask is not None:
+        return _masked_per_row(values, mask, sample_weight, by_weight_total)
     if sample_weight is None:
         if values.shape.rank is None or values.shape.rank > 1:
             values = tf.reduce_mean(tf.reshape(values, [tf.shape(values)[0], -1]), axis=1)
@@ -299,6 +319,53 @@ def _per_row(unreduced, y_true, y_pred, sample_weight=None, by_weight_total: boo
     if by_weight_total:
         return tf.math.divide_no_nan(weighted, tf.reduce_sum(weights, axis=1))
     return weighted / tf.cast(tf.shape(flat)[1], values.dtype)
+
+
+def _combined_mask(in_mask, out_mask):
+    if in_mask is None or out_mask is None:
+        return out_mask if in_mask is None else in_mask
+    return tf.logical_and(tf.cast(in_mask, tf.bool), tf.cast(out_mask, tf.bool))
+
+
+def _masked_per_row(values, mask, sample_weight, by_weight_total: bool) -> tf.Tensor:
+    """ℓ_i = Σ_t m_it w_it ℓ_it / Σ_t m_it (or / Σ_t m_it w_it): Keras' masked reduction with
+    the batch's count of unmasked values replaced by example i's own (``_per_row``)."""
+    mask = tf.cast(mask, values.dtype)
+    values, mask = loss_module.squeeze_or_expand_to_same_rank(values, mask)  # as Keras aligns them
+    rows = tf.shape(values)[0]
+    mask = tf.reshape(mask * tf.ones_like(values), [rows, -1])  # broadcast: one weight per value
+    flat = tf.reshape(values, [rows, -1])
+    weights = mask
+    if sample_weight is not None:
+        per_value = tf.reshape(tf.cast(sample_weight, values.dtype), [rows, -1])
+        _require_weights_match(per_value, flat, sample_weight, values)
+        weights = mask * per_value
+    weighted = tf.reduce_sum(flat * weights, axis=1)
+    return tf.math.divide_no_nan(weighted, tf.reduce_sum(weights if by_weight_total else mask, axis=1))
+
+
+def metric_weights_for_masks(weights, y_pred):
+    """Metric sample weights that fit Keras' merge with the outputs' masks: per-example
+    weights [P] (the padding mask of the step) take trailing axes of size 1 up to the rank
+    of an output's mask ([P, 1] against a [P, T] mask), so that Keras multiplies them into
+    the mask rather than broadcasting [P] along T (which crashes, or at P = T weighs
+    positions by examples). One weight structure per output when outputs are nested."""
+    if weights is None or not any(output_mask(p) is not None for p in tf.nest.flatten(y_pred)):
+        return weights
+    if tf.nest.is_nested(y_pred) and not tf.nest.is_nested(weights):
+        weights = tf.nest.map_structure(lambda _: weights, y_pred)
+    if not tf.nest.is_nested(y_pred):
+        return _expand_to_mask(weights, output_mask(y_pred))
+    return tf.nest.map_structure(lambda w, p: _expand_to_mask(w, output_mask(p)), weights, y_pred)
+
+
+def _expand_to_mask(weight, mask):
+    if mask is None or weight is None:
+        return weight
+    weight = tf.convert_to_tensor(weight)
+    missing = mask.shape.rank - weight.shape.rank
+    return tf.reshape(weight, tf.concat([tf.shape(weight), tf.ones([missing], tf.int32)], 0)) if missing > 0 \
+        else weight
 
 
 def class_weights_of(y, table: Sequence[float]) -> tf.Tensor:

@@ -18,7 +18,8 @@ import tensorflow as tf
 from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.clipping.engine import view_of
 from tf_dp.models.data import is_poisson_batch
-from tf_dp.models.losses import WeightedTargets, class_weights_of, unpack_targets, without_unused_targets
+from tf_dp.models.losses import (WeightedTargets, class_weights_of, metric_weights_for_masks, unpack_targets,
+                                  without_unused_targets)
 from tf_dp.models.objective import COMPILED_LOSS, PerExampleObjective
 from tf_dp.models.plan import StepPlan, class_weight_table
 from tf_dp.models.row_independence import reprobe_on_trace
@@ -270,7 +271,8 @@ class DPTrainStep:
         real_losses = tf.where(tf.cast(mask, tf.bool), losses, 0.0)  # padding rows may give NaN losses
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(real_losses), real)
         self._loss_tracker.update_state(mean_loss + self._regularization_loss(), sample_weight=real)
-        self.compute_metrics(x, objective.labels_of(y), result.y_pred, sample_weight=self._metric_weights(y, mask))
+        weights = metric_weights_for_masks(self._metric_weights(y, mask), result.y_pred)  # Keras output masks
+        self.compute_metrics(x, objective.labels_of(y), result.y_pred, sample_weight=weights)
 
     def _metric_weights(self, y, mask):
         """Metric weights: the 0/1 padding mask times the examples' sample weights, if any.
