@@ -64,7 +64,20 @@ def _accountant(name: str):
 
 
 def epsilon_of_event(event: dp_event.DpEvent, delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
-    """ε at ``delta`` of any ``dp_accounting`` event (``tf_dp.accounting.events.epsilon``)."""
+    """ε at ``delta`` of any ``dp_accounting`` event (``tf_dp.accounting.events.epsilon``).
+
+    Args:
+      event: a ``dp_accounting`` DpEvent.
+      delta: δ in (0, 1).
+      accountant: a registered accountant ("rdp" default, "pld").
+
+    Returns:
+      ε at ``delta``.
+
+    Raises:
+      TypeError: ``event`` is not a DpEvent.
+      ValueError: ``delta`` or ``accountant`` is invalid.
+    """
     if not isinstance(event, dp_event.DpEvent):
         raise TypeError(f"`event` must be a dp_accounting DpEvent, got {type(event).__name__}.")
     return epsilon(event, delta, accountant)
@@ -220,7 +233,20 @@ def _quiet_absl():
 
 
 def steps_for(num_examples: int, batch_size: int, epochs: Optional[float], steps: Optional[int]) -> int:
-    """T = ⌈epochs · N / L⌉, or ``steps`` if given (exactly one of the two)."""
+    """T = ⌈epochs · N / L⌉, or ``steps`` if given (exactly one of the two).
+
+    Args:
+      num_examples: N, the dataset size.
+      batch_size: L, the expected batch size.
+      epochs: passes over the data (positive), or None when ``steps`` is given.
+      steps: the number of steps (positive int), or None when ``epochs`` is given.
+
+    Returns:
+      The number of steps T.
+
+    Raises:
+      ValueError: both or neither of ``epochs`` and ``steps`` are given, or one is not positive.
+    """
     if (epochs is None) == (steps is None):
         raise ValueError("Pass exactly one of `epochs` or `steps`.")
     if steps is not None:
@@ -230,7 +256,16 @@ def steps_for(num_examples: int, batch_size: int, epochs: Optional[float], steps
 
 
 def dp_sgd_event(sampling_rate: float, noise_multiplier: float, steps: int) -> dp_event.DpEvent:
-    """T Poisson-subsampled Gaussian steps (the "poisson" scheme's event); σ = 0 is non-private (ε = ∞)."""
+    """T Poisson-subsampled Gaussian steps (the "poisson" scheme's event); σ = 0 is non-private (ε = ∞).
+
+    Args:
+      sampling_rate: q, the Poisson sampling rate of each step.
+      noise_multiplier: σ, the Gaussian noise's standard deviation over the clipping norm.
+      steps: T, the number of steps.
+
+    Returns:
+      The DpEvent of the T steps.
+    """
     return phase_event(Phase("poisson", sampling_rate, noise_multiplier, 0, 0.0, steps))
 
 

@@ -155,12 +155,27 @@ def adjacency(unit: str) -> str:
 
 
 def registered_schemes() -> tuple[str, ...]:
+    """The sampling schemes that have a registered accounting event.
+
+    Returns:
+      The scheme names, sorted.
+    """
     return tuple(sorted(_EVENTS))
 
 
 def phase_event(phase: Phase) -> dp_event.DpEvent:
     """The DpEvent of one phase: ``NoOpDpEvent`` without steps, ``NonPrivateDpEvent`` at σ = 0
-    (ε = ∞), else the scheme's registered event."""
+    (ε = ∞), else the scheme's registered event.
+
+    Args:
+      phase: a ledger ``Phase`` (scheme, sampling rate, σ, steps, ...).
+
+    Returns:
+      The phase's ``dp_accounting`` DpEvent.
+
+    Raises:
+      ValueError: no event is registered for the phase's sampling scheme.
+    """
     if phase.steps == 0:
         return dp_event.NoOpDpEvent()
     if phase.noise_multiplier == 0:
@@ -173,7 +188,17 @@ def phase_event(phase: Phase) -> dp_event.DpEvent:
 
 def composed_event(phases: Sequence[Phase]) -> dp_event.DpEvent:
     """ComposedDpEvent of every phase's event, in order (docs/algorithms.md A.2); phases of a
-    ``whole_segments`` scheme are first merged segment by segment."""
+    ``whole_segments`` scheme are first merged segment by segment.
+
+    Args:
+      phases: the ledger ``Phase`` records, in the order they ran.
+
+    Returns:
+      A ``ComposedDpEvent`` of the phases' events (``NoOpDpEvent`` if there are none).
+
+    Raises:
+      ValueError: a phase's sampling scheme has no registered event.
+    """
     events = [phase_event(p) for p in _merge_segments(list(phases))]
     return dp_event.ComposedDpEvent(events) if events else dp_event.NoOpDpEvent()
 
@@ -254,7 +279,17 @@ def step_events(event: dp_event.DpEvent) -> list[StepEvent]:
 
 
 def register_accountant(name: str):
-    """Decorator: ``fn(event, delta) -> ε`` is the accountant ``name``."""
+    """Decorator: ``fn(event, delta) -> ε`` is the accountant ``name``.
+
+    Args:
+      name: the accountant's name (a non-empty string), as passed to ``accountant=``.
+
+    Returns:
+      A decorator that registers ``fn`` and returns it unchanged.
+
+    Raises:
+      ValueError: ``name`` is not a non-empty string.
+    """
     if not isinstance(name, str) or not name:
         raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
 
@@ -266,6 +301,11 @@ def register_accountant(name: str):
 
 
 def accountant_names() -> tuple[str, ...]:
+    """The registered accountants' names ("rdp", "pld", ...).
+
+    Returns:
+      The names, in registration order.
+    """
     return tuple(_ACCOUNTANTS)
 
 
