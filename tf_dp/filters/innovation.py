@@ -18,14 +18,34 @@ from tf_dp import _checks
 
 
 def innovation_filter(filtered, residual, observation, omega: float):
-    """One step; returns (g̃_t, r_t)."""
+    """One step of the innovation filter: r_t = (1 − ω) r_{t−1} + ω (ĝ_t − g̃_{t−1}), g̃_t = g̃_{t−1} + r_t.
+
+    Args:
+      filtered: g̃_{t−1}, the filter's previous output.
+      residual: r_{t−1}, the filter's previous residual state (same shape).
+      observation: ĝ_t, the new noisy gradient (same shape).
+      omega: ω in (0, 1], the filter's gain (1: no filtering).
+
+    Returns:
+      The pair (g̃_t, r_t).
+    """
     residual = (1 - omega) * residual + omega * (observation - filtered)
     return filtered + residual, residual
 
 
 def attenuation_factor(omega: float) -> float:
     """A(ω) = (2 − ω) / (4 − 3ω): the filter's output variance per unit input white-noise
-    variance. A(1) = 1 (no filtering); A(ω) → 1/2 as ω → 0."""
+    variance. A(1) = 1 (no filtering); A(ω) → 1/2 as ω → 0.
+
+    Args:
+      omega: ω in (0, 1], the filter's gain.
+
+    Returns:
+      The attenuation factor A(ω).
+
+    Raises:
+      ValueError: ``omega`` is not a real number in (0, 1].
+    """
     omega = _checks.real("omega", omega)
     if not 0 < omega <= 1:
         raise ValueError(f"`omega` must lie in (0, 1], got {omega}.")
@@ -43,6 +63,13 @@ def innovation_noise_covariance_step(covariance, omega: float):
         d_t = ω² a − 2ω(1 − ω) c + (1 − ω)² d + ω²
 
     ``covariance`` is (a, c, d), zeros for a filter started at zero; A_t = a_t → A(ω).
+
+    Args:
+      covariance: the previous step's (a, c, d), a length-3 tensor or sequence.
+      omega: ω in (0, 1], the filter's gain.
+
+    Returns:
+      The next step's (a_t, c_t, d_t), stacked in one tensor.
     """
     a, c, d = covariance[0], covariance[1], covariance[2]
     keep = 1 - omega
