@@ -41,6 +41,9 @@ class NoiseKey:
     The holder is a plain Python object, not a ``tf.Module``/``Trackable``: an optimizer
     attribute holding it is invisible to Keras saving and to ``tf.train.Checkpoint``, while
     the compiled train step reads the variable like any other (so a new key needs no retrace).
+
+    Args:
+      seed: the user's secret seed (an int), or None to draw the key from the OS CSPRNG.
     """
 
     def __init__(self, seed: Optional[int] = None):

@@ -14,7 +14,18 @@ LAPLACE_STREAM = -1  # the stream of RaCO-DP's histogram noise; Gaussian streams
 
 
 def laplace_noise(shape, scale: tf.Tensor, seed: tf.Tensor, step: tf.Tensor, dtype=tf.float32) -> tf.Tensor:
-    """Laplace(0, scale) draws: X = −scale · sign(U) · log(1 − 2|U|), U ~ Uniform(−½, ½)."""
+    """Laplace(0, scale) draws: X = −scale · sign(U) · log(1 − 2|U|), U ~ Uniform(−½, ½).
+
+    Args:
+      shape: the shape of the draw.
+      scale: the Laplace scale b (a scalar tensor).
+      seed: the run's Philox key (``NoiseKey.read()``).
+      step: the ledger's DP step; with the key and the Laplace stream it seeds the draw.
+      dtype: the returned dtype (the draw is made in float64).
+
+    Returns:
+      A tensor of ``shape`` of independent Laplace(0, scale) draws.
+    """
     pair = draw_seed(seed, step, LAPLACE_STREAM)
     uniform = tf.random.stateless_uniform(shape, seed=pair, dtype=tf.float64, alg="philox")
     centred = uniform - 0.5
