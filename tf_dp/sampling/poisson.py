@@ -27,7 +27,16 @@ PAD_INDEX = 0  # any valid index: padding slots are never read (their rows are z
 
 def sample_poisson_batch(rng, num_examples: int, sampling_rate: float) -> np.ndarray:
     """Indices of the examples drawn, each independently with probability ``sampling_rate``.
-    ``rng`` is a numpy Generator, or ``os.urandom`` for OS-entropy (secure) sampling."""
+    ``rng`` is a numpy Generator, or ``os.urandom`` for OS-entropy (secure) sampling.
+
+    Args:
+      rng: a ``numpy.random.Generator``, or a callable like ``os.urandom`` returning n random bytes.
+      num_examples: N, the number of examples to draw from.
+      sampling_rate: q, each example's inclusion probability.
+
+    Returns:
+      The sorted indices of the drawn examples (their number varies from draw to draw).
+    """
     return np.flatnonzero(_uniforms(rng, num_examples) < sampling_rate)
 
 
@@ -48,6 +57,13 @@ def choose_physical_batch_size(num_examples: int, sampling_rate: float) -> int:
 
     Too small a P often needs a second, mostly padded chunk; too large a P pads every
     step. Candidates are multiples of 8 from L up to L + 6√L.
+
+    Args:
+      num_examples: N, the dataset size.
+      sampling_rate: q, the Poisson sampling rate (L = qN is the expected batch size).
+
+    Returns:
+      The physical batch size P (N when ``sampling_rate`` ≥ 1).
     """
     mean = num_examples * sampling_rate
     if sampling_rate >= 1:
@@ -69,7 +85,16 @@ def chunk(indices: np.ndarray, physical_batch_size: int, multiple: int = 1) -> t
     """Lays ``indices`` out as [n_chunks, P] (n_chunks a multiple of ``multiple``) and the
     0/1 mask. Padding slots hold PAD_INDEX, a placeholder, not an example: whoever gathers
     rows by these indices must not feed that example there (the sources of
-    tf_dp.sampling.sources never read padding slots: their rows are zeros)."""
+    tf_dp.sampling.sources never read padding slots: their rows are zeros).
+
+    Args:
+      indices: the drawn examples' indices (e.g. from ``sample_poisson_batch``).
+      physical_batch_size: P, the rows per chunk.
+      multiple: the number of chunks is rounded up to a multiple of this (e.g. the replica count).
+
+    Returns:
+      The pair (padded indices, mask), both of shape [n_chunks, P].
+    """
     chunks = max(1, math.ceil(len(indices) / physical_batch_size))
     chunks = math.ceil(chunks / multiple) * multiple
     padded = np.full(chunks * physical_batch_size, PAD_INDEX, dtype=np.int64)

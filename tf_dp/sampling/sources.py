@@ -987,7 +987,20 @@ def is_record_source(x, y, transform) -> bool:
 
 def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSource:
     """The ExampleSource of fit's (x, y): arrays (lazy ones stay lazy), an unbatched dataset
-    (random access when it has it, else materialized with a warning), or a record source."""
+    (random access when it has it, else materialized with a warning), or a record source.
+
+    Args:
+      x: arrays (or a dict of them), an unbatched ``tf.data.Dataset``, an ``ExampleSource``,
+        or a random-access sequence of records.
+      y: the labels, or None (e.g. when ``x`` is a dataset that yields them).
+      transform: a function mapping a record to an example, for record sources; None for arrays.
+
+    Returns:
+      The ``ExampleSource`` that serves the examples by index.
+
+    Raises:
+      ValueError: ``y`` or ``transform`` is passed with an ``x`` that cannot take it.
+    """
     if isinstance(x, ExampleSource):
         if transform is not None:
             raise ValueError("Pass `transform` to the source, not to fit, when x is already an ExampleSource.")
