@@ -53,7 +53,11 @@ MARKER = "tf_dp source error"
 
 
 class SourceError(ValueError):
-    """A record that could not be read or does not match the source's example spec."""
+    """A record that could not be read or does not match the source's example spec.
+
+    Args:
+      message: what went wrong (prefixed with the source-error marker).
+    """
 
     def __init__(self, message: str):
         super().__init__(f"{MARKER}: {message}")
@@ -357,7 +361,16 @@ class ExampleSource:
 class ArraySource(ExampleSource):
     """Columns ``x`` (an array, or a list/tuple/dict of arrays: one per model input) and
     ``y`` with one row per example. Text columns are held as object arrays of bytes
-    (tf.string rows; padding rows of a chunk are b"")."""
+    (tf.string rows; padding rows of a chunk are b"").
+
+    Args:
+      x: the inputs: an array, or a list/tuple/dict of arrays (one per model input).
+      y: the targets: an array, or one per output of a multi-output model.
+      extras: optional per-example arrays by name (e.g. user ids), read with each example.
+
+    Raises:
+      ValueError: ``x`` or ``y`` is missing, or the columns' row counts differ.
+    """
 
     def __init__(self, x, y, extras: Optional[dict] = None):
         if x is None or y is None:
@@ -391,7 +404,18 @@ class RecordSource(ExampleSource):
 
     Records are fetched with ``source.__getitems__`` when the source has it, else one by
     one; ``transform`` runs on ``workers`` threads (decoders such as PIL and numpy release
-    the GIL). The spec is that of example 0; every record read is checked against it."""
+    the GIL). The spec is that of example 0; every record read is checked against it.
+
+    Args:
+      source: a sequence of records (``__len__`` and ``__getitem__``), e.g. a list of file paths.
+      transform: a callable mapping a record to an (x, y) example, or None if records are examples.
+      workers: threads that run ``transform`` (default: the CPU count, at most 8).
+      spec: the (x, y) TensorSpecs of an example, or None to take them from example 0.
+
+    Raises:
+      TypeError: ``source`` is not a sequence or ``transform`` is not callable.
+      ValueError: ``source`` is empty.
+    """
 
     def __init__(self, source, transform: Optional[Callable] = None, workers: Optional[int] = None,
                  spec: Optional[tuple] = None):
@@ -849,7 +873,12 @@ def _padding_rows(spec: tf.TensorSpec, count: int) -> np.ndarray:
 
 class DatasetSource(ExampleSource):
     """An unbatched, finite ``tf.data.Dataset`` with random access
-    (``tf.data.experimental.at``): example i is computed on demand, in the graph."""
+    (``tf.data.experimental.at``): example i is computed on demand, in the graph.
+
+    Args:
+      dataset: the unbatched, finite dataset of (x, y) pairs.
+      count: its number of examples.
+    """
 
     def __init__(self, dataset: tf.data.Dataset, count: int):
         self.dataset, self._count = dataset, count
@@ -911,7 +940,15 @@ class TFRecordSource:
 
     The honest alternative for shards that cannot be indexed (compressed files, streams):
     ``fit(dataset.batch(L))``, trained as fixed batches and accounted WITHOUT sampling
-    amplification (a much larger ε; fit warns)."""
+    amplification (a much larger ε; fit warns).
+
+    Args:
+      files: one path or a sequence of paths of uncompressed TFRecord shards.
+      verify_crc: accepted for compatibility; this version does not check the records' CRCs.
+
+    Raises:
+      ValueError: no file is given.
+    """
 
     def __init__(self, files: Sequence[str], verify_crc: bool = False):
         self.files = [os.fspath(f) for f in ([files] if isinstance(files, (str, os.PathLike)) else files)]
