@@ -31,7 +31,14 @@ _BISECTION_STEPS = 60
 
 
 def randomized_response_accuracy(epsilon: float) -> float:
-    """q = e^ε / (1 + e^ε): the best guessing accuracy against ε-DP randomized response."""
+    """q = e^ε / (1 + e^ε): the best guessing accuracy against ε-DP randomized response.
+
+    Args:
+      epsilon: ε ≥ 0.
+
+    Returns:
+      The accuracy q in [1/2, 1).
+    """
     return float(special.expit(epsilon))
 
 
@@ -65,6 +72,17 @@ def pure_epsilon_lower_bound(guesses: int, correct: int, confidence: float = 0.9
     P[Bin(r, q) ≥ v] = I_q(v, r − v + 1) (regularized incomplete beta) increases in q, so
     the rejected q are those below q* = I⁻¹_β(v, r − v + 1), the one-sided Clopper–Pearson
     lower confidence bound on the accuracy; ε = max(0, log(q* / (1 − q*))). Needs no m.
+
+    Args:
+      guesses: r, the number of non-abstaining guesses.
+      correct: v, the number of correct guesses (0 ≤ v ≤ r).
+      confidence: 1 − β, in (0, 1).
+
+    Returns:
+      The lower bound ε_lb ≥ 0 on the pure-DP ε.
+
+    Raises:
+      ValueError: the counts or ``confidence`` are out of range.
     """
     r, v = _guesses(guesses), _correct(guesses, correct)
     beta = _beta(confidence)

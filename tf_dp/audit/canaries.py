@@ -21,6 +21,13 @@ def mislabeled_canaries(
     """Takes ``count`` random rows of (x, y) out as canaries and relabels each one with a
     class drawn uniformly from the other ``num_classes − 1``.
 
+    Args:
+      x: the dataset's inputs, one row per example.
+      y: the integer class labels of ``x``.
+      count: the number of canaries to take out (at most ``len(x)``).
+      num_classes: K, the number of classes.
+      seed: seeds the choice of rows and of the wrong labels.
+
     Returns:
       ``(x_rest, y_rest, canary_x, canary_y)``: the remaining rows (train on them always)
       and the canaries (each included with probability 1/2 by ``OneRunAudit``).
@@ -47,6 +54,20 @@ def random_pixel_canaries(
     little with each other: ⟨x_i, x_j⟩ ≈ d·p² against ‖x_i‖² ≈ d·p (10 : 1 at p = 0.1, but
     only 4 : 3 for U[0, 1]), so training on one does not teach the model a label for
     "noise" in general, which would make non-members with that label look like members.
+
+    Args:
+      count: the number of canaries.
+      shape: the shape of one input.
+      num_classes: labels are drawn uniformly from 0..num_classes − 1.
+      seed: seeds the inputs and labels.
+      density: p in (0, 1), the probability a feature is 1; None for U[0, 1] features.
+      dtype: the inputs' dtype.
+
+    Returns:
+      ``(canary_x, canary_y)``: the inputs and their int32 labels.
+
+    Raises:
+      ValueError: ``count`` is not a positive int or ``density`` is not in (0, 1).
     """
     count = _checks.positive_int("count", count)
     rng = np.random.default_rng(seed)

@@ -35,7 +35,18 @@ def label_log_likelihood(model, x: np.ndarray, y: np.ndarray, from_logits: bool 
                          batch_size: int = 1024) -> np.ndarray:
     """s_i = log softmax(f(x_i))[y_i] = −CE(f(x_i), y_i): high when the canary's label was learned.
 
-    ``from_logits=False`` for models whose outputs are probabilities."""
+    ``from_logits=False`` for models whose outputs are probabilities.
+
+    Args:
+      model: a Keras classifier (anything with ``predict``).
+      x: the canaries' inputs.
+      y: their integer labels.
+      from_logits: whether the model outputs logits (True) or probabilities (False).
+      batch_size: the prediction batch size.
+
+    Returns:
+      The score s_i of every canary.
+    """
     outputs = np.asarray(model.predict(x, batch_size=batch_size, verbose=0), dtype=np.float64)
     if from_logits:
         shifted = outputs - outputs.max(axis=1, keepdims=True)
@@ -48,7 +59,19 @@ def label_log_likelihood(model, x: np.ndarray, y: np.ndarray, from_logits: bool 
 def guess_membership(scores: np.ndarray, k_pos: int, k_neg: int) -> np.ndarray:
     """T ∈ {−1, 0, +1}^m: +1 for the k₊ highest scores, −1 for the k₋ lowest, 0 (abstain) else.
 
-    Ties are broken by canary index (stable sort), which is independent of S."""
+    Ties are broken by canary index (stable sort), which is independent of S.
+
+    Args:
+      scores: s_i per canary (higher = more likely a member).
+      k_pos: k₊ ≥ 0, the number of "member" guesses.
+      k_neg: k₋ ≥ 0, the number of "non-member" guesses (k₊ + k₋ ≤ m).
+
+    Returns:
+      The guesses T, an int8 array of length m.
+
+    Raises:
+      ValueError: ``k_pos`` or ``k_neg`` is negative or not an int, or they exceed m together.
+    """
     scores = np.asarray(scores, dtype=np.float64)
     _check_ks(k_pos, k_neg, len(scores))
     order = np.argsort(scores, kind="stable")
@@ -59,7 +82,15 @@ def guess_membership(scores: np.ndarray, k_pos: int, k_neg: int) -> np.ndarray:
 
 
 def count_correct(guesses: np.ndarray, membership: np.ndarray) -> int:
-    """v = Σ_i max(0, T_i·S_i), with S_i = +1 for members and −1 otherwise."""
+    """v = Σ_i max(0, T_i·S_i), with S_i = +1 for members and −1 otherwise.
+
+    Args:
+      guesses: T ∈ {−1, 0, +1}^m (from ``guess_membership``).
+      membership: the secret membership, True for members.
+
+    Returns:
+      v, the number of correct guesses.
+    """
     secret = np.where(np.asarray(membership, dtype=bool), 1, -1)
     return int(np.sum(np.asarray(guesses) * secret > 0))
 
@@ -109,6 +140,14 @@ class OneRunAudit:
         result = audit.run(train, x, y, k_pos=100, k_neg=100, delta=1e-5)
 
     where ``train(x_train, y_train)`` builds, compiles and fits a fresh model and returns it.
+
+    Args:
+      canary_x: the canaries' inputs.
+      canary_y: their labels (as many as inputs, at least one).
+      seed: seeds the secret membership S and the training set's shuffle.
+
+    Raises:
+      ValueError: the canary inputs and labels differ in number or are empty.
     """
 
     def __init__(self, canary_x: np.ndarray, canary_y: np.ndarray, seed: int = 0):
@@ -174,7 +213,20 @@ class OneRunAudit:
 
 def run_one_run_audit(train: TrainFn, x: np.ndarray, y: np.ndarray, canary_x: np.ndarray, canary_y: np.ndarray,
                       *, seed: int = 0, **kwargs) -> AuditResult:
-    """``OneRunAudit(canary_x, canary_y, seed).run(train, x, y, **kwargs)`` in one call."""
+    """``OneRunAudit(canary_x, canary_y, seed).run(train, x, y, **kwargs)`` in one call.
+
+    Args:
+      train: ``train(x_train, y_train)`` builds, compiles and fits a fresh model and returns it.
+      x: the always-included inputs.
+      y: their labels.
+      canary_x: the canaries' inputs.
+      canary_y: the canaries' labels.
+      seed: seeds the secret membership and the shuffle.
+      **kwargs: passed to ``OneRunAudit.run`` (k_pos, k_neg, delta, confidence, ...).
+
+    Returns:
+      The ``AuditResult``.
+    """
     return OneRunAudit(canary_x, canary_y, seed=seed).run(train, x, y, **kwargs)
 
 
