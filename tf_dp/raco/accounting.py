@@ -255,6 +255,15 @@ def joint_step_pld(
     (upper-bounding) ``dp_accounting`` PLD: compose it with ``.self_compose(T)``.
     σ is the noise multiplier of the gradient sum (ℓ2 sensitivity 1),
     ``laplace_scale`` = 1/b the histogram's Laplace scale (ℓ1 sensitivity 1).
+
+    Args:
+      sampling_rate: q, the Poisson sampling rate.
+      noise_multiplier: σ of the gradient sum (positive).
+      laplace_scale: 1/b, the histogram's Laplace scale (positive).
+      value_discretization_interval: Δ, the grid step of the losses.
+
+    Returns:
+      The pessimistic ``PrivacyLossDistribution`` of one step.
     """
     q = _sampling_rate(sampling_rate)
     base = JointBaseLoss(
@@ -375,7 +384,15 @@ def raco_event(phase: Phase) -> dp_event.DpEvent:
 
 
 def effective_noise_multiplier(noise_multiplier: float, histogram_std: float) -> float:
-    """σ_eff = (σ⁻² + σ_h⁻²)^(−1/2): one Gaussian on the joint vector (ḡ_i/C, p_i)."""
+    """σ_eff = (σ⁻² + σ_h⁻²)^(−1/2): one Gaussian on the joint vector (ḡ_i/C, p_i).
+
+    Args:
+      noise_multiplier: σ of the gradient sum (0: not private).
+      histogram_std: σ_h, the Gaussian histogram's std.
+
+    Returns:
+      σ_eff (0.0 when ``noise_multiplier`` is 0).
+    """
     if noise_multiplier == 0:
         return 0.0
     return (noise_multiplier**-2 + histogram_std**-2) ** -0.5
@@ -419,6 +436,22 @@ def compute_epsilon(
     (``"gaussian"``, ℓ2 sensitivity 1 since ‖p_i‖₂ ≤ 1). ``accountant="rdp"`` (default, as
     everywhere; sound, looser) or ``"pld"`` (tight); see the module docstring.
     ``noise_multiplier=0`` means the gradient is not noised: ε = ∞.
+
+    Args:
+      num_examples: N, the dataset size.
+      batch_size: L, the expected batch size (q = L / N).
+      noise_multiplier: σ of the gradient sum (0: not private).
+      histogram_noise: the histogram's Laplace scale 1/b, or its Gaussian std σ_h.
+      steps: T, the number of steps.
+      delta: δ in (0, 1).
+      histogram_mechanism: "laplace" or "gaussian".
+      accountant: a registered accountant ("rdp" default, "pld").
+
+    Returns:
+      ε at ``delta``.
+
+    Raises:
+      ValueError: an argument is out of range.
     """
     steps = _checks.positive_int("steps", steps)
     epsilon = _epsilon_of_steps(num_examples, batch_size, noise_multiplier, histogram_noise,
@@ -440,6 +473,23 @@ def calibrate_steps(
     """Largest T ≤ ``max_steps`` with ε(T) ≤ target (doubling, then binary search).
 
     Raises ``ValueError`` if even one step exceeds the target.
+
+    Args:
+      target_epsilon: the ε not to exceed (positive).
+      num_examples: N, the dataset size.
+      batch_size: L, the expected batch size (q = L / N).
+      noise_multiplier: σ of the gradient sum.
+      histogram_noise: the histogram's Laplace scale 1/b, or its Gaussian std σ_h.
+      delta: δ in (0, 1).
+      histogram_mechanism: "laplace" or "gaussian".
+      accountant: a registered accountant ("rdp" default, "pld").
+      max_steps: the largest T considered.
+
+    Returns:
+      The number of steps T.
+
+    Raises:
+      ValueError: an argument is out of range, or one step already exceeds the target.
     """
     target_epsilon = _checks.positive("target_epsilon", target_epsilon)
     max_steps = _checks.positive_int("max_steps", max_steps)
@@ -467,6 +517,22 @@ def calibrate_noise_multiplier(
     ``tf_dp.calibrate_noise_multiplier``'s search (``calibrate_sigma``) on RaCO-DP's ε.
 
     Raises ``ValueError`` if the histogram noise alone spends the target (no σ helps).
+
+    Args:
+      target_epsilon: the ε to reach (positive).
+      num_examples: N, the dataset size.
+      batch_size: L, the expected batch size (q = L / N).
+      histogram_noise: the histogram's Laplace scale 1/b, or its Gaussian std σ_h.
+      steps: T, the number of steps.
+      delta: δ in (0, 1).
+      histogram_mechanism: "laplace" or "gaussian".
+      accountant: a registered accountant ("rdp" default, "pld").
+
+    Returns:
+      The noise multiplier σ.
+
+    Raises:
+      ValueError: an argument is out of range, or no σ reaches the target.
     """
     target_epsilon = _checks.positive("target_epsilon", target_epsilon)
     steps = _checks.positive_int("steps", steps)
@@ -493,5 +559,14 @@ def calibrate_noise_multiplier(
 
 
 def epsilon_of_phases(phases, delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
-    """ε of ledger phases, RaCO-DP ones included (``tf_dp.accounting.events.epsilon``)."""
+    """ε of ledger phases, RaCO-DP ones included (``tf_dp.accounting.events.epsilon``).
+
+    Args:
+      phases: the ledger ``Phase`` records, in order.
+      delta: δ in (0, 1).
+      accountant: a registered accountant ("rdp" default, "pld").
+
+    Returns:
+      ε at ``delta``.
+    """
     return core.epsilon(list(phases), delta, accountant)
