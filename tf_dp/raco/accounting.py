@@ -346,7 +346,13 @@ def _joint_step_rdp(sampling_rate: float, noise_multiplier: float, laplace_scale
 
 @attr.s(frozen=True, slots=True, auto_attribs=True)
 class GaussianLaplaceDpEvent(StepEvent):
-    """ONE RaCO-DP step: Poisson(q) applied to the pair (Gaussian σ, Laplace scale 1/b)."""
+    """ONE RaCO-DP step: Poisson(q) applied to the pair (Gaussian σ, Laplace scale 1/b).
+
+    Attributes:
+      sampling_rate: q, the Poisson sampling rate.
+      noise_multiplier: σ of the gradient sum.
+      laplace_scale: 1/b, the histogram's Laplace scale.
+    """
 
     sampling_rate: float
     noise_multiplier: float

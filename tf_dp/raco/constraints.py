@@ -60,7 +60,11 @@ def _two_sided_gap(name, members_of, others_of, units, num_classes, bound):
 @keras.saving.register_keras_serializable(package="tf_dp")
 class DemographicParity(Constraint):
     """P(ŷ = k | z) − P(ŷ = k | not z) ≤ max_gap for every group z and class k (both signs
-    appear across classes, so for binary tasks this bounds the absolute gap)."""
+    appear across classes, so for binary tasks this bounds the absolute gap).
+
+    Args:
+      max_gap: γ ≥ 0, the allowed rate gap.
+    """
 
     def __init__(self, max_gap: float):
         self.max_gap = _checks.non_negative("max_gap", max_gap, "It is the allowed rate gap γ.")
@@ -79,7 +83,11 @@ class DemographicParity(Constraint):
 
 @keras.saving.register_keras_serializable(package="tf_dp")
 class EqualizedOdds(Constraint):
-    """P(ŷ = k | z, y) − P(ŷ = k | not z, y) ≤ max_gap for every true label y, group z, class k."""
+    """P(ŷ = k | z, y) − P(ŷ = k | not z, y) ≤ max_gap for every true label y, group z, class k.
+
+    Args:
+      max_gap: γ ≥ 0, the allowed rate gap.
+    """
 
     needs_labels = True
 
@@ -96,7 +104,12 @@ class EqualizedOdds(Constraint):
 
 @keras.saving.register_keras_serializable(package="tf_dp")
 class FalseNegativeRate(Constraint):
-    """P(ŷ ≠ positive | z, y = positive) ≤ max_rate for every group z."""
+    """P(ŷ ≠ positive | z, y = positive) ≤ max_rate for every group z.
+
+    Args:
+      max_rate: the allowed false-negative rate (≥ 0).
+      positive_class: the index of the positive class.
+    """
 
     needs_labels = True
 
@@ -122,6 +135,15 @@ class RateConstraint(Constraint):
 
     ``terms``: (partitions, class, coefficient) triples; partitions are group ids, or
     (group, label) pairs when ``by_label=True``.
+
+    Args:
+      terms: (partitions, class, coefficient) triples (at least one).
+      bound: the right-hand side of the inequality.
+      by_label: whether partitions are (group, label) pairs rather than group ids.
+      name: the constraint's name.
+
+    Raises:
+      ValueError: ``terms`` is empty.
     """
 
     def __init__(self, terms: Sequence[tuple], bound: float, by_label: bool = False, name: str = "rate_constraint"):
@@ -173,7 +195,17 @@ class Partitioning:
 
 class ConstraintSet:
     """All constraints as matrices: rate terms t with subset S [T, Q], class one-hot [T, K],
-    coefficient c [T] and owning constraint j [T]."""
+    coefficient c [T] and owning constraint j [T].
+
+    Args:
+      constraints: the tf_dp.raco constraints (at least one).
+      num_groups: the number of groups z (positive).
+      num_classes: the model's number of classes.
+
+    Raises:
+      ValueError: ``constraints`` is empty or ``num_groups`` is not positive.
+      TypeError: an element is not a tf_dp.raco constraint.
+    """
 
     def __init__(self, constraints: Sequence[Constraint], num_groups: int, num_classes: int):
         constraints = list(constraints)
