@@ -13,7 +13,16 @@ def clip_factors(squared_norms: tf.Tensor, l2_norm_clip: tf.Tensor, mask: tf.Ten
 
     An example whose gradient is not finite (NaN/Inf) gets c_i = 0: it contributes zero,
     which keeps the sensitivity at C and keeps NaN out of the step; so does a negative
-    squared norm (no rule gives one; a factor of 1 would be unsafe)."""
+    squared norm (no rule gives one; a factor of 1 would be unsafe).
+
+    Args:
+      squared_norms: [P] per-example squared gradient norms ‖g_i‖².
+      l2_norm_clip: C, the clipping norm.
+      mask: the [P] 0/1 padding mask, or None (every row real).
+
+    Returns:
+      The [P] clip factors c_i.
+    """
     clip = tf.cast(l2_norm_clip, squared_norms.dtype)
     valid = tf.logical_and(tf.math.is_finite(squared_norms), squared_norms >= 0)
     safe = tf.where(valid, squared_norms, tf.zeros_like(squared_norms))

@@ -43,6 +43,15 @@ FLAT = FlatClip()
 
 @dataclass
 class ClippedBatch:
+    """What the clipping engine returns for one physical batch.
+
+    Attributes:
+      clipped_sums: Σ_i c_i g_i, one tensor per trainable variable.
+      y_pred: the model's outputs on the batch.
+      losses: the per-example losses ℓ_i (masked rows included; weight them by the mask).
+      squared_norms: U_i² ≥ ‖g_i‖², the certified squared norms clipped against.
+    """
+
     clipped_sums: list  # Σ_i c_i g_i per trainable variable
     y_pred: object
     losses: tf.Tensor  # per-example losses ℓ_i (masked rows included, weight them by mask)
@@ -60,6 +69,12 @@ class EvaluationPoint:
 
     ``weights`` are values for ``model.trainable_variables`` (None: the current θ). DP-SGD
     uses the single point (1, θ); DiSK/FIBER use (c, θ + γd) and (1 − c, θ).
+
+    Attributes:
+      coefficient: the term's coefficient_k.
+      weights: values for ``model.trainable_variables`` (None: the current θ).
+      view: the augmentation view index on the inputs' axis 1 (docs/algorithms.md §8), or None.
+      targets_view: whether the targets carry the views on axis 1 too (user-level DP, §11).
     """
 
     coefficient: float
@@ -113,7 +128,16 @@ def targets_of(y, point: EvaluationPoint):
 
 
 def forward(model, x, weights: Optional[Sequence[tf.Tensor]] = None):
-    """model(x, training=True), at ``weights`` instead of the variables' values if given."""
+    """model(x, training=True), at ``weights`` instead of the variables' values if given.
+
+    Args:
+      model: a Keras model.
+      x: its inputs.
+      weights: values for ``model.trainable_variables``, in order, or None for their current values.
+
+    Returns:
+      The model's outputs.
+    """
     if weights is None:
         return model(x, training=True)
     with keras.StatelessScope(state_mapping=list(zip(model.trainable_variables, weights))):

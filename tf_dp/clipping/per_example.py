@@ -29,7 +29,19 @@ def per_example_gradients(
     model, per_example_loss: Callable, x, y, weights: Optional[Sequence[tf.Tensor]] = None, only=None
 ) -> list[tf.Tensor]:
     """[P, *shape] per-example gradients for each of ``model.trainable_variables`` (or of the
-    variables in ``only``, in that order), at the variables' values or at ``weights``."""
+    variables in ``only``, in that order), at the variables' values or at ``weights``.
+
+    Args:
+      model: a Keras model.
+      per_example_loss: ``fn(y, y_pred)`` returning the [P] per-example losses.
+      x: the batch's inputs.
+      y: the batch's targets.
+      weights: values for ``model.trainable_variables``, in order, or None for their current values.
+      only: a subset of the trainable variables to differentiate, or None for all.
+
+    Returns:
+      One [P, *shape] tensor per variable.
+    """
     require_grouped_conv_kernels([model], "engine='vectorized' (per-example gradients by vectorized_map)")
     variables = model.trainable_variables
     values = [tf.convert_to_tensor(v.value) for v in variables] if weights is None else list(weights)

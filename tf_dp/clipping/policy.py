@@ -26,7 +26,17 @@ CLIPPING_POLICIES: dict = {}
 
 
 def register_clipping(name: str):
-    """Class decorator: registers a ClippingPolicy under ``name`` (``clipping="name"``)."""
+    """Class decorator: registers a ClippingPolicy under ``name`` (``clipping="name"``).
+
+    Args:
+      name: the name users pass as ``clipping=``.
+
+    Returns:
+      A decorator that registers the class (also as Keras-serializable) and returns it.
+
+    Raises:
+      ValueError: another class is already registered under ``name`` (raised by the decorator).
+    """
     def register(cls):
         if name in CLIPPING_POLICIES and CLIPPING_POLICIES[name] is not cls:
             raise ValueError(f"A clipping policy named {name!r} is already registered.")
@@ -234,6 +244,13 @@ class Normalized(ClippingPolicy):
 
 
 def resolve_clipping(clipping) -> ClippingPolicy:
-    """``clipping=`` of a DP optimizer: None/"flat", a registered name, a policy or its config."""
+    """``clipping=`` of a DP optimizer: None/"flat", a registered name, a policy or its config.
+
+    Args:
+      clipping: None, a registered policy name, a ``ClippingPolicy``, or a policy's config dict.
+
+    Returns:
+      The ``ClippingPolicy`` (``FlatClip`` for None).
+    """
     return _checks.registered_part("clipping", clipping, CLIPPING_POLICIES, ClippingPolicy, FlatClip,
                                    "a tf_dp.clipping.ClippingPolicy")

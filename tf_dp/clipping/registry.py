@@ -23,7 +23,13 @@ import tensorflow as tf
 
 class Recording:
     """What one call of a layer left behind: the inputs a rule needs and the tensors whose
-    gradients (output gradients s) it needs."""
+    gradients (output gradients s) it needs.
+
+    Args:
+      inputs: the layer call's inputs the rule needs.
+      watched: the tensors whose gradients (output gradients s) the rule needs.
+      extras: anything else the rule recorded, or None.
+    """
 
     def __init__(self, inputs: Any, watched: list[tf.Tensor], extras: Any = None):
         self.inputs = inputs
@@ -109,7 +115,15 @@ _RULES_BY_PUBLIC_NAME: dict[str, GhostRule] = {}  # "package.api.Class" exports,
 
 
 def register_ghost_rule(layer_class: type, rule: GhostRule) -> None:
-    """Registers ``rule`` for ``layer_class`` (and subclasses without a rule of their own)."""
+    """Registers ``rule`` for ``layer_class`` (and subclasses without a rule of their own).
+
+    Args:
+      layer_class: a Keras layer class.
+      rule: the ``tf_dp.clipping.GhostRule`` computing its per-example gradient norms.
+
+    Raises:
+      TypeError: ``layer_class`` is not a class or ``rule`` is not a GhostRule.
+    """
     if not isinstance(layer_class, type):
         raise TypeError(f"`layer_class` must be a class, got {layer_class!r}.")
     if not isinstance(rule, GhostRule):
@@ -174,7 +188,14 @@ def ghost_rule_for(layer) -> Optional[GhostRule]:
     A rule registered for a class C is used for a subclass only if the subclass inherits
     C's ``call`` unchanged: a subclass with its own ``call`` computes something else (a
     Dense subclass adding a term, keras-hub's ReversibleEmbedding), so it goes to the
-    op-level rule (``resolve_rule``) unless a rule is registered for the subclass itself."""
+    op-level rule (``resolve_rule``) unless a rule is registered for the subclass itself.
+
+    Args:
+      layer: a Keras layer.
+
+    Returns:
+      The ``GhostRule``, or None.
+    """
     return _registered_rule_for(layer)
 
 
