@@ -334,6 +334,24 @@ def calibrate_noise_multiplier(
     ``calibrate_sigma``).
 
     Raises ``ValueError`` if the target is unreachable (e.g. ``prior_event`` already spent it).
+
+    Args:
+      target_epsilon: the ε to reach (positive).
+      num_examples: N, the dataset size.
+      batch_size: L, the expected batch size.
+      epochs: passes over the data, or None when ``steps`` is given.
+      steps: T, the number of steps, or None when ``epochs`` is given.
+      delta: δ in (0, 1).
+      accountant: a registered accountant ("rdp" default, "pld").
+      prior_event: a DpEvent already spent before this training, or None.
+      scheme: the sampling scheme ("poisson" default).
+      parameter: the scheme's extra parameter (e.g. RaCO-DP's Laplace scale).
+
+    Returns:
+      The noise multiplier σ.
+
+    Raises:
+      ValueError: an argument is out of range, or the target is unreachable.
     """
     target_epsilon = _checks.positive("target_epsilon", target_epsilon)
     num_examples, batch_size, _ = _check_problem(num_examples, batch_size)

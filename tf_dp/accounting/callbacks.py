@@ -83,7 +83,12 @@ class PrivacyBudget(keras.callbacks.Callback):
     """
 
     def __init__(self, max_epsilon: float, save_path: str | None = None):
-        """``save_path``: where to ``model.save`` when the budget stops training."""
+        """Sets the budget.
+
+        Args:
+          max_epsilon: the largest ε training may reach (at the model's δ).
+          save_path: where to ``model.save`` when the budget stops training, or None not to save.
+        """
         super().__init__()
         self.max_epsilon = float(max_epsilon)
         self.save_path = save_path

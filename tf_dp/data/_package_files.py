@@ -35,7 +35,11 @@ class DataPackage:
 
 
 class DataPackageNotInstalledError(ImportError):
-    """The registry package that ships a data set is not installed."""
+    """The registry package that ships a data set is not installed.
+
+    Args:
+      package: the ``DataPackage`` that is missing (its install command goes in the message).
+    """
 
     def __init__(self, package: DataPackage) -> None:
         super().__init__(
@@ -47,7 +51,12 @@ class DataPackageNotInstalledError(ImportError):
 
 
 class DataFileNotFoundError(FileNotFoundError):
-    """The package is installed, but the expected data file is not inside it."""
+    """The package is installed, but the expected data file is not inside it.
+
+    Args:
+      package: the ``DataPackage`` that should hold the file.
+      path: the missing file's path.
+    """
 
     def __init__(self, package: DataPackage, path: Path) -> None:
         installed = _installed_version(package.distribution) or "unknown"

@@ -100,7 +100,16 @@ def subsample(spectrum: tf.Tensor, factor: int) -> tf.Tensor:
 class ScatteringTransform2D(keras.layers.Layer):
     """Order-2 scattering of channels-last images [B, H, W, C] → [B, H/2^J, W/2^J, C·K],
     K = 1 + J·L + L²·J(J−1)/2; channel c·K + k is coefficient k of input channel c, in
-    Kymatio's order (S0, all S1, all S2). H and W must be multiples of 2^J. No weights."""
+    Kymatio's order (S0, all S1, all S2). H and W must be multiples of 2^J. No weights.
+
+    Args:
+      scale: J ≥ 1, the number of scales (the output is 2^J times smaller per side).
+      angles: L ≥ 1, the number of wavelet orientations.
+      **kwargs: passed to ``keras.layers.Layer`` (``trainable`` is always False).
+
+    Raises:
+      ValueError: ``scale`` or ``angles`` is below 1.
+    """
 
     def __init__(self, scale: int = 2, angles: int = 8, **kwargs):
         kwargs["trainable"] = False  # no weights; also set when rebuilt from get_config

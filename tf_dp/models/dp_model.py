@@ -340,7 +340,17 @@ def _private_sequential(model: keras.Sequential) -> "DPSequential":
 def make_private(model: keras.Model) -> DPModel:
     """A DP model over the same layers (and so the same weights) as a functional or
     Sequential Keras model: a DPModel for a functional model, a DPSequential for a
-    Sequential (built or not)."""
+    Sequential (built or not).
+
+    Args:
+      model: a functional or Sequential Keras model (a DP model is returned as is).
+
+    Returns:
+      The DP model.
+
+    Raises:
+      TypeError: ``model`` is not a Keras model, or is a subclassed one.
+    """
     if isinstance(model, DPModelMixin):
         return model
     if not isinstance(model, keras.Model):

@@ -42,7 +42,14 @@ MIXING_LAYERS = (
 
 def validate(model) -> list[str]:
     """One line per layer that breaks per-example privacy, with the fix; [] if none.
-    Every nested layer and model is inspected (its enclosing layers are named)."""
+    Every nested layer and model is inspected (its enclosing layers are named).
+
+    Args:
+      model: a Keras model.
+
+    Returns:
+      The problems, one line each (empty if the model is fine).
+    """
     problems = []
     unreachable = {id(bn): owner_path for bn, _, _, owner_path in _unreachable_batch_norms(model)} \
         if isinstance(model, (Functional, keras.Sequential)) else None
@@ -127,7 +134,18 @@ def fix(model):
 
     BatchNormalization inside a custom layer class (whose ``call`` is Python code, e.g.
     keras-hub MobileNet's blocks) cannot be swapped by rewriting the graph: ``fix`` then
-    raises a ValueError naming each such layer's path and what to do instead."""
+    raises a ValueError naming each such layer's path and what to do instead.
+
+    Args:
+      model: a functional or Sequential Keras model.
+
+    Returns:
+      The fixed copy of the model.
+
+    Raises:
+      TypeError: ``model`` is not functional or Sequential.
+      ValueError: a BatchNormalization sits inside a custom layer.
+    """
     if not isinstance(model, (Functional, keras.Sequential)):
         raise TypeError(f"tf_dp.fix needs a functional or Sequential model; {getattr(model, 'name', model)!r} is a "
                         f"{type(model).__name__}. Replace its BatchNormalization layers in its own code.")

@@ -37,7 +37,21 @@ def corrected_adam_direction(
     noise_variance: tf.Tensor,
     variance_floor: float,
 ) -> tf.Tensor:
-    """Returns m̂ / (√max(v̂ − noise_variance, variance_floor) + ε), m̂ = m/(1 − β₁ᵗ), v̂ = v/(1 − β₂ᵗ)."""
+    """Returns m̂ / (√max(v̂ − noise_variance, variance_floor) + ε), m̂ = m/(1 − β₁ᵗ), v̂ = v/(1 − β₂ᵗ).
+
+    Args:
+      m: Adam's first moment.
+      v: Adam's second moment.
+      step: t, the step number (from 1).
+      beta_1: β₁.
+      beta_2: β₂.
+      epsilon: Adam's ε.
+      noise_variance: the noise's contribution to v̂, subtracted from it.
+      variance_floor: the floor of the corrected second moment.
+
+    Returns:
+      The update direction.
+    """
     dtype = m.dtype
     step = tf.cast(step, dtype)
     m_hat = m / (1 - tf.pow(tf.cast(beta_1, dtype), step))
