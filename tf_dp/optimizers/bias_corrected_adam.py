@@ -113,4 +113,10 @@ class BiasCorrectedAdam(keras.optimizers.Adam):
 @keras.saving.register_keras_serializable(package="tf_dp")
 class BiasCorrectedAdamW(BiasCorrectedAdam, keras.optimizers.AdamW):
     """``keras.optimizers.AdamW`` (decoupled weight decay −ηλθ, a function of θ only) with
-    the bias-corrected denominator of ``BiasCorrectedAdam``."""
+    the bias-corrected denominator of ``BiasCorrectedAdam``.
+
+    Args:
+      learning_rate: η, a float or a Keras schedule.
+      variance_floor: the floor of the corrected second moment.
+      **kwargs: any other argument of ``keras.optimizers.AdamW`` (e.g. weight_decay).
+    """

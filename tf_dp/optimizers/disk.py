@@ -37,6 +37,23 @@ class DiSK(FilteredDPOptimizer):
     Every argument of the base's DP optimizer (``DPAdamW``, ``DPAdam``, ``DPSGD``) is
     accepted. κ = 1 is the base optimizer. ``learning_rate=None`` takes
     DEFAULT_LEARNING_RATES[base] (5e-3 for the Adam bases).
+
+    Args:
+      learning_rate: η, or None for DEFAULT_LEARNING_RATES[base].
+      kappa: κ in (0, 1], the filter's gain (1: the base optimizer).
+      gamma: γ, the observation's look-ahead step (docs/algorithms.md §4).
+      base: the base optimizer: "adamw", "adam" or "sgd".
+      correction: how the filtered noise variance is removed from the second moment ("transient" default).
+      l2_norm_clip: C, the per-example clipping bound (or an adaptive bound), as in ``tf_dp.DPOptimizer``.
+      noise_multiplier: σ; None only when a ``target_epsilon`` given to ``DPModel.compile`` calibrates it.
+      seed: the noise stream's key, or None for a fresh one from the OS.
+      secure_mode: a fresh key from the OS CSPRNG at every step (``tf_dp.DPOptimizer``).
+      noise_bias_correction: whether to correct the second moment for the noise (None: the base's default).
+      variance_floor: the floor of the corrected second moment.
+      name: the optimizer's name, or None for a default.
+      noise: the privatizer (a ``tf_dp.noise.Privatizer``, a registered name, or None for Gaussian).
+      clipping: the clipping policy (a ``tf_dp.clipping.ClippingPolicy``, a registered name, or None for flat).
+      **kwargs: any other argument of the base's DP optimizer.
     """
 
     def __init__(self, learning_rate=None, kappa: float = 0.7, gamma: float = 0.5, base: str = "adamw",
@@ -62,7 +79,15 @@ class DiSK(FilteredDPOptimizer):
 
 @keras.saving.register_keras_serializable(package="tf_dp")
 class DiSKAdamW(DiSK):
-    """``DiSK(base="adamw")``."""
+    """``DiSK(base="adamw")``.
+
+    Args:
+      learning_rate: η, or None for DEFAULT_LEARNING_RATES["adamw"].
+      kappa: κ in (0, 1], the filter's gain.
+      gamma: γ, the observation's look-ahead step.
+      base: the base optimizer (default "adamw").
+      **kwargs: any other argument of ``DiSK``.
+    """
 
     def __init__(self, learning_rate=None, kappa: float = 0.7, gamma: float = 0.5, base: str = "adamw", **kwargs):
         _require_base(type(self), base, "adamw")
@@ -71,7 +96,15 @@ class DiSKAdamW(DiSK):
 
 @keras.saving.register_keras_serializable(package="tf_dp")
 class DiSKAdam(DiSK):
-    """``DiSK(base="adam")``."""
+    """``DiSK(base="adam")``.
+
+    Args:
+      learning_rate: η, or None for DEFAULT_LEARNING_RATES["adam"].
+      kappa: κ in (0, 1], the filter's gain.
+      gamma: γ, the observation's look-ahead step.
+      base: the base optimizer (default "adam").
+      **kwargs: any other argument of ``DiSK``.
+    """
 
     def __init__(self, learning_rate=None, kappa: float = 0.7, gamma: float = 0.5, base: str = "adam", **kwargs):
         _require_base(type(self), base, "adam")
@@ -80,7 +113,15 @@ class DiSKAdam(DiSK):
 
 @keras.saving.register_keras_serializable(package="tf_dp")
 class DiSKSGD(DiSK):
-    """``DiSK(base="sgd")``."""
+    """``DiSK(base="sgd")``.
+
+    Args:
+      learning_rate: η, or None for DEFAULT_LEARNING_RATES["sgd"].
+      kappa: κ in (0, 1], the filter's gain.
+      gamma: γ, the observation's look-ahead step.
+      base: the base optimizer (default "sgd").
+      **kwargs: any other argument of ``DiSK``.
+    """
 
     def __init__(self, learning_rate=None, kappa: float = 0.7, gamma: float = 0.5, base: str = "sgd", **kwargs):
         _require_base(type(self), base, "sgd")

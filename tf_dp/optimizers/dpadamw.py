@@ -19,6 +19,20 @@ class DPAdamW(FlatConfigDPOptimizer):
     Weight decay uses only θ (public), so it costs no privacy. The inner optimizer is
     ``keras.optimizers.AdamW`` or, with ``noise_bias_correction=True``,
     ``tf_dp.optimizers.BiasCorrectedAdamW``. Accepts every argument of ``keras.optimizers.AdamW``.
+
+    Args:
+      learning_rate: η, a float or a Keras schedule.
+      l2_norm_clip: C, the per-example clipping bound (or an adaptive bound), as in ``tf_dp.DPOptimizer``.
+      noise_multiplier: σ; None only when a ``target_epsilon`` given to ``DPModel.compile`` calibrates it.
+      seed: the noise stream's key, or None for a fresh one from the OS.
+      secure_mode: a fresh key from the OS CSPRNG at every step (``tf_dp.DPOptimizer``).
+      weight_decay: λ_wd, the decoupled weight decay.
+      noise_bias_correction: whether to subtract the noise variance σ_w² from v̂ (DP-AdamBC).
+      variance_floor: the floor of the corrected second moment.
+      name: the optimizer's name.
+      noise: the privatizer (a ``tf_dp.noise.Privatizer``, a registered name, or None for Gaussian).
+      clipping: the clipping policy (a ``tf_dp.clipping.ClippingPolicy``, a registered name, or None for flat).
+      **kwargs: any other argument of ``keras.optimizers.AdamW``.
     """
 
     base = "adamw"

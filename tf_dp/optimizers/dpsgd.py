@@ -15,6 +15,19 @@ class DPSGD(FlatConfigDPOptimizer):
 
     ``tf_dp.DPOptimizer(keras.optimizers.SGD(...))`` with a flat config. Accepts every
     argument of ``keras.optimizers.SGD`` plus the DP ones (see ``tf_dp.DPOptimizer``).
+
+    Args:
+      learning_rate: η, a float or a Keras schedule.
+      l2_norm_clip: C, the per-example clipping bound (or an adaptive bound), as in ``tf_dp.DPOptimizer``.
+      noise_multiplier: σ; None only when a ``target_epsilon`` given to ``DPModel.compile`` calibrates it.
+      seed: the noise stream's key, or None for a fresh one from the OS.
+      secure_mode: a fresh key from the OS CSPRNG at every step (``tf_dp.DPOptimizer``).
+      momentum: Keras SGD's momentum.
+      nesterov: whether to use Nesterov momentum.
+      name: the optimizer's name.
+      noise: the privatizer (a ``tf_dp.noise.Privatizer``, a registered name, or None for Gaussian).
+      clipping: the clipping policy (a ``tf_dp.clipping.ClippingPolicy``, a registered name, or None for flat).
+      **kwargs: any other argument of ``keras.optimizers.SGD``.
     """
 
     base = "sgd"

@@ -43,7 +43,30 @@ FILTERS = ("innovation", "ema")
 class FIBER(FilteredDPOptimizer):
     """AdamW on the innovation-filtered privatized gradient, with the filter-attenuated
     noise variance A_t·σ_w² removed from the second moment (A_t → A(ω)). Accepts every
-    argument of ``tf_dp.DPAdamW``."""
+    argument of ``tf_dp.DPAdamW``.
+
+    Args:
+      learning_rate: η, a float or a Keras schedule.
+      kappa: κ, the observation's weight (docs/algorithms.md §4).
+      gamma: γ, the observation's look-ahead step.
+      omega: ω in (0, 1], the innovation filter's gain.
+      beta_1: Adam's β₁.
+      beta_2: Adam's β₂.
+      epsilon: Adam's ε.
+      variance_floor: the floor of the corrected second moment.
+      weight_decay: λ_wd, the decoupled weight decay.
+      noise_bias_correction: whether to remove the filter-attenuated noise variance from v̂.
+      l2_norm_clip: C, the per-example clipping bound (or an adaptive bound), as in ``tf_dp.DPOptimizer``.
+      noise_multiplier: σ; None only when a ``target_epsilon`` given to ``DPModel.compile`` calibrates it.
+      seed: the noise stream's key, or None for a fresh one from the OS.
+      secure_mode: a fresh key from the OS CSPRNG at every step (``tf_dp.DPOptimizer``).
+      filter: "innovation" (default) or "ema" (an ablation: DiSK's EMA with gain ω).
+      correction: "transient" (default), "stationary" or "full" (see the module docstring).
+      name: the optimizer's name.
+      noise: the privatizer (a ``tf_dp.noise.Privatizer``, a registered name, or None for Gaussian).
+      clipping: the clipping policy (a ``tf_dp.clipping.ClippingPolicy``, a registered name, or None for flat).
+      **kwargs: any other argument of ``keras.optimizers.AdamW``.
+    """
 
     base = "adamw"
 
