@@ -283,7 +283,13 @@ def _named_for_legacy_h5(cls: type) -> type:
 @keras.saving.register_keras_serializable(package="tf_dp")
 class DPModel(DPModelMixin, keras.Model):
     """A Keras Model trained with DP-SGD. Functional (``DPModel(inputs, outputs)``) or
-    subclassed (override ``call``), like ``keras.Model``."""
+    subclassed (override ``call``), like ``keras.Model``.
+
+    Args:
+      *args: as for ``keras.Model``: ``(inputs, outputs)`` for a functional model, nothing
+        for a subclassed one.
+      **kwargs: any other argument of ``keras.Model`` (e.g. ``name``).
+    """
 
     def __new__(cls, *args, **kwargs):
         if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
@@ -305,7 +311,9 @@ def functional_variant(cls: type, name: Optional[str] = None) -> type:
     would turn every later subclassed use of the same class into a Functional model."""
     if cls not in _FUNCTIONAL_VARIANTS:
         variant = type(name or f"{cls.__name__}Functional", (cls, Functional), {"__module__": cls.__module__,
-                       "__doc__": f"What ``{cls.__name__}(inputs, outputs)`` builds."})
+                       "__doc__": f"What ``{cls.__name__}(inputs, outputs)`` builds.\n\n"
+                       f"Args:\n  *args: ``(inputs, outputs)``, as for a functional ``keras.Model``.\n"
+                       f"  **kwargs: any other argument of ``keras.Model`` (e.g. ``name``).\n"})
         registered = keras.saving.register_keras_serializable(package="tf_dp")(variant)
         _FUNCTIONAL_VARIANTS[cls] = _named_for_legacy_h5(registered)
     return _FUNCTIONAL_VARIANTS[cls]
@@ -317,7 +325,12 @@ DPFunctional = functional_variant(DPModel, "DPFunctional")
 @_named_for_legacy_h5
 @keras.saving.register_keras_serializable(package="tf_dp")
 class DPSequential(DPModelMixin, keras.Sequential):
-    """A ``keras.Sequential`` trained with DP-SGD."""
+    """A ``keras.Sequential`` trained with DP-SGD.
+
+    Args:
+      *args: as for ``keras.Sequential``: the list of layers.
+      **kwargs: any other argument of ``keras.Sequential`` (e.g. ``name``).
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
