@@ -148,7 +148,16 @@ def tuning_epsilon(rdp: Sequence[float], delta: float, distribution, orders: Seq
 
 
 def one_trial_epsilon(rdp: Sequence[float], delta: float, orders: Sequence[float] = ORDERS) -> float:
-    """ε at δ of ONE trial from its curve (the same conversion), for comparison."""
+    """ε at δ of ONE trial from its curve (the same conversion), for comparison.
+
+    Args:
+      rdp: the trial's RDP curve, one value per order.
+      delta: δ in (0, 1).
+      orders: the RDP orders of ``rdp``.
+
+    Returns:
+      ε at ``delta``.
+    """
     delta = _checks.delta(delta)
     return accountant._epsilon_from_rdp(np.asarray(rdp, dtype=np.float64), delta, list(_orders(orders)))[0]
 
