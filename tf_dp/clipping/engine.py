@@ -383,6 +383,14 @@ def clipped_gradient_sum(
     with augmentation multiplicity K each term is averaged over the K views of x_i.
 
     Args:
+      model: a Keras model.
+      per_example_loss: ``fn(y, y_pred)`` returning the [P] per-example losses.
+      x: the physical batch's inputs.
+      y: its targets.
+      mask: the [P] 0/1 padding mask.
+      l2_norm_clip: C, the clipping norm.
+      engine: "ghost" (ghost norms) or "vectorized" (per-example gradients).
+      points: the ``EvaluationPoint`` terms of u_i (default: the current weights, coefficient 1).
       clipping: the ClippingPolicy (docs/algorithms.md §13; a registered name or None =
         FlatClip: c_i = min(1, C/‖u_i‖)). Group k of its layers gets the factors c_i^k the
         policy computes from the group's squared norms; ``squared_norms`` of the result stay

@@ -65,6 +65,7 @@ class BiasCorrectedAdam(keras.optimizers.Adam):
     """``keras.optimizers.Adam`` whose denominator is √max(v̂ − s_t², variance_floor) + ε.
 
     Args:
+      learning_rate: η, a float or a Keras schedule.
       variance_floor: the floor of v̄ (> 0).
       **kwargs: every argument of ``keras.optimizers.Adam`` except ``amsgrad=True``.
     """

@@ -142,6 +142,7 @@ class PoissonSampler(StepSampler):
       seed: numpy seed for the batch selection (None: fresh OS entropy); batch t is drawn
         from ``numpy.random.default_rng([seed, t])``.
       secure: draw every step's uniforms from ``os.urandom`` (secure mode; no seed).
+      chunk_multiple: the number of chunks of a step is rounded up to a multiple of this.
     """
 
     def __init__(self, num_examples: int, expected_batch_size: int, physical_batch_size: Optional[int] = None,
