@@ -112,6 +112,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
       clipping: the clipping policy (``tf_dp.clipping.ClippingPolicy``, a registered name, or
         None for ``"flat"``).
       name: the optimizer's name.
+      **kwargs: refused: options of the base optimizer (clipnorm, ...) raise a ValueError
+        telling to set them on the inner optimizer; any other raises a TypeError.
     """
 
     weight_decay = _InnerAttribute(None)

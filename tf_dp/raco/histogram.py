@@ -48,6 +48,7 @@ class NoisyHistogram(keras.layers.Layer):
       num_partitions: Q, the number of partitions (groups, or groups × labels).
       noise_scale: Laplace scale 1/b (> 0).
       temperature: softmax temperature applied before counting.
+      **kwargs: passed to ``keras.layers.Layer`` (the layer is never trainable).
     """
 
     def __init__(self, num_partitions: int, noise_scale: float, temperature: float = 1.0, **kwargs):

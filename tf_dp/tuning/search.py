@@ -95,6 +95,8 @@ class PrivateRandomSearch(keras_tuner.Tuner):
       noisy_score: ``NoisyAccuracy`` on private validation data (its cost joins each trial).
       delta: δ of the reported ε.
       hyperparameters, tune_new_entries, allow_new_entries: as KerasTuner's ``RandomSearch``.
+      **kwargs: any other argument of KerasTuner's ``RandomSearch`` (those that would break the
+        accounting raise a ValueError).
     """
 
     def __init__(self, hypermodel, *, distribution, trial_bound: TrialBound, public_validation_data=None,
