@@ -49,6 +49,10 @@ class RateConstrainedModel(DPModel):
       histogram: the NoisyHistogram Ĥ = H + Laplace(1/b) released each step (§5.1).
       multipliers: λ_j ≥ 0, updated by the dual step (§5.4), saved with the model.
       constraint_values: Γ_j(Ĥ) of the last released step.
+
+    Args:
+      *args: as for ``tf_dp.DPModel``: ``(inputs, outputs)`` for a functional model.
+      **kwargs: any other argument of ``tf_dp.DPModel`` (e.g. ``name``).
     """
 
     def compile(self, optimizer=None, loss=None, metrics=None, *, constraints: Sequence[Constraint] = (),
