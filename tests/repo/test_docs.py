@@ -218,3 +218,19 @@ def test_every_public_callable_has_a_docstring_with_args():
     assert "tf_dp.tuning.PrivateRandomSearch" in names and len(names) > 130, sorted(names)
     undocumented = sorted(name for name, obj in names.items() if not documents_its_arguments(obj))
     assert not undocumented, f"public names without a Google-style docstring (Args:): {undocumented}"
+
+
+def undocumented_parameters(obj) -> list:
+    """The parameters of ``obj`` (its ``__init__`` for a class) that its docstrings never name."""
+    if not takes_arguments(obj):
+        return []
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    text = (inspect.getdoc(obj) or "") + "\n" + (
+        inspect.getdoc(obj.__init__) or "" if inspect.isclass(obj) and "__init__" in vars(obj) else "")
+    names = [p.name for p in inspect.signature(target).parameters.values() if p.name not in ("self", "cls")]
+    return [name for name in names if not re.search(rf"\b{re.escape(name)}\b", text)]
+
+
+def test_every_public_docstring_names_each_argument():
+    missing = {name: params for name, obj in public_callables().items() if (params := undocumented_parameters(obj))}
+    assert not missing, f"arguments no docstring describes: {missing}"
