@@ -240,8 +240,20 @@ def _python_accepts(dataset, batched: bool) -> bool:
             return False
         if kind == ZIPS and not all(_python_bare_source(branch) for branch in inputs):
             return False
+        if kind == PER_ELEMENT and _python_captures_variables(node):
+            return False  # a function holding variables: the graph tells whether it carries state
         stack.extend((n, _mode_below(kind, None, on_batches)) for n in inputs)
     return True
+
+
+def _python_captures_variables(node) -> bool:
+    """Whether a map/filter's traced function captures a resource (a variable), or cannot be read."""
+    wrapped = getattr(node, "_map_func", None) or getattr(node, "_predicate", None)
+    try:
+        captured = wrapped.function.captured_inputs
+    except AttributeError:
+        return True
+    return any(t.dtype == tf.resource for t in captured)
 
 
 def _python_bare_source(node) -> bool:
@@ -267,12 +279,65 @@ def _graph_refusals(graph: _Graph, node, on_batches: Optional[bool], seen: set) 
     if kind == ZIPS and not problem and not all(_bare_source(graph, branch) for branch in inputs):
         problem = ("of branches that are not bare sources (a map, filter or shuffle before the zip can pair row i "
                    "with row j: zip the sources first, then map)")
+    if kind == PER_ELEMENT and not problem and _carries_state(graph, node):
+        problem = ("whose function writes a tf.Variable from the element it reads (state carried from one element "
+                   "into the next mixes examples: compute each element from itself alone)")
     if kind == READS_FILES:
         problem, inputs = _file_names_problem(graph, inputs[0]), []  # the file names' branch is checked there
     found = [_describe(graph, node, base, problem)] if problem else []
     for upstream in inputs:
         found += _graph_refusals(graph, upstream, _mode_below(kind, problem, on_batches), seen)
     return found
+
+
+def _is_state_write(op: str) -> bool:
+    return (op.startswith("Assign") and op.endswith("VariableOp")) or op.startswith(
+        ("ResourceScatter", "ResourceStridedSliceAssign", "ResourceApply"))
+
+
+def _carries_state(graph: _Graph, node) -> bool:
+    """Whether a map/filter's function writes a variable with a value computed from its element
+    (``prev.assign(x)``: a ``scan`` in disguise). Writes independent of the element — a random
+    layer's seed counter — keep each element a function of itself and stay allowed."""
+    function = graph.library.get(next((node.attr[a].func.name for a in ("f", "predicate") if a in node.attr), ""))
+    if function is None:
+        return False
+    captured = len(node.attr["Targuments"].list.type) if "Targuments" in node.attr else 0
+    arguments = [arg.name for arg in function.signature.input_arg]
+    return _writes_from(graph, function, set(arguments[:len(arguments) - captured]), depth=0)
+
+
+def _writes_from(graph: _Graph, function, element: set, depth: int) -> bool:
+    """Whether ``function`` writes a variable with a value depending on the ``element`` arguments,
+    through the calls it makes (a call it cannot read counts as a write)."""
+    body = {n.name: n for n in function.node_def}
+    memo: dict = {}
+
+    def depends(name: str) -> bool:
+        name = name.lstrip("^").split(":")[0]
+        if name in element:
+            return True
+        if name not in body:
+            return False
+        if name not in memo:
+            memo[name] = False  # cycles (none in a FunctionDef) end here
+            memo[name] = any(depends(i) for i in body[name].input if not i.startswith("^"))
+        return memo[name]
+
+    for n in function.node_def:
+        data = [i for i in n.input if not i.startswith("^")]
+        if _is_state_write(n.op) and any(depends(i) for i in data[1:]):
+            return True
+        callee = n.attr["f"].func.name if "f" in n.attr else ""
+        if callee and any(depends(i) for i in data):
+            inner = graph.library.get(callee)
+            if inner is None or depth > 8:
+                return True
+            names = [arg.name for arg in inner.signature.input_arg]
+            if _writes_from(graph, inner, {names[k] for k, i in enumerate(data) if k < len(names) and depends(i)},
+                            depth + 1):
+                return True
+    return False
 
 
 def _describe(graph: _Graph, node, base: str, problem: str) -> str:
