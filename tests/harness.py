@@ -66,7 +66,23 @@ def reference_steps(*models):
     for door in doors:
         door.phase_open = door.executing = True
     try:
-        yield
+        with contextlib.ExitStack() as windows:  # and the optimizers' drawing windows (drawing_noise)
+            for model in models:
+                if hasattr(getattr(model, "optimizer", None), "drawing_window"):
+                    windows.enter_context(model.optimizer.drawing_window())
+            yield
     finally:
         for door, (phase_open, executing) in zip(doors, previous):
             door.phase_open, door.executing = phase_open, executing
+
+
+@contextlib.contextmanager
+def drawing_noise(*optimizers):
+    """Test only: opens the optimizers' drawing windows for the block, so that a test may call
+    ``apply_private_gradients`` directly on hand-made clipped sums (a REFERENCE computation of
+    the mechanism). tf_dp refuses such a call outside a model's train function
+    (tests/optimizers/test_direct_release_refused.py)."""
+    with contextlib.ExitStack() as stack:
+        for optimizer in optimizers:
+            stack.enter_context(optimizer.drawing_window())
+        yield

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
+from tests.harness import drawing_noise
 from tf_dp.noise import BandMF
 from tf_dp.noise.bandmf import marginal_variance_factors, normalized_coefficients
 
@@ -77,7 +78,8 @@ def _run_zero_gradient_steps(optimizer, variables, steps):
     released, variances = [], []
     for t in range(steps):
         before = [v.numpy().copy() for v in variables]
-        step(tf.constant(t, tf.int64))
+        with drawing_noise(optimizer):
+            step(tf.constant(t, tf.int64))
         released.append(np.concatenate([(b - v.numpy()).ravel() for b, v in zip(before, variables)]))
         variances.append(float(handed.numpy()))
         assert float(optimizer.noise_variance_on_average(tf.float32)) == pytest.approx(
@@ -114,12 +116,14 @@ def test_a_jumped_counter_restarts_the_marginal_variance():
     variables = [tf.Variable(tf.zeros((10,)))]
     optimizer = _optimizer("adam", seed=3)
     for t in (0, 1, 2, 7):
-        optimizer.apply_private_gradients([tf.zeros((10,))], variables, tf.constant(BATCH),
-                                          dp_step=tf.constant(t, tf.int64))
+        with drawing_noise(optimizer):
+            optimizer.apply_private_gradients([tf.zeros((10,))], variables, tf.constant(BATCH),
+                                              dp_step=tf.constant(t, tf.int64))
     factors = optimizer.privatizer.variance_factors
     assert float(optimizer.noise_variance_on_average(tf.float32)) == pytest.approx(SIGMA_W2 * factors[0], rel=1e-5)
-    optimizer.apply_private_gradients([tf.zeros((10,))], variables, tf.constant(BATCH),
-                                      dp_step=tf.constant(8, tf.int64))
+    with drawing_noise(optimizer):
+        optimizer.apply_private_gradients([tf.zeros((10,))], variables, tf.constant(BATCH),
+                                          dp_step=tf.constant(8, tf.int64))
     assert float(optimizer.noise_variance_on_average(tf.float32)) == pytest.approx(SIGMA_W2 * factors[1], rel=1e-5)
 
 
@@ -174,7 +178,8 @@ def _filtered_noise_run(optimizer, counters, size=24000):
 
     measured, variances = [], []
     for counter in counters:
-        step(tf.constant(counter, tf.int64))
+        with drawing_noise(optimizer):
+            step(tf.constant(counter, tf.int64))
         filtered = optimizer._filtered_gradients[0].numpy().astype(np.float64)
         measured.append(np.mean(filtered * filtered))
         variances.append(float(handed.numpy()))

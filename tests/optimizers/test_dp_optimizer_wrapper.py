@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
-from tests.harness import flat_norms, loop_per_example_gradients, reference_steps, sparse_ce
+from tests.harness import drawing_noise, flat_norms, loop_per_example_gradients, reference_steps, sparse_ce
 from tf_dp.optimizers import DPOptimizer
 
 INNERS = {"lion": lambda: keras.optimizers.Lion(3e-3), "rmsprop": lambda: keras.optimizers.RMSprop(3e-3)}
@@ -55,7 +55,8 @@ def test_wrapped_step_is_the_keras_optimizer_on_the_privatized_gradient(name):
     model.train_on_batch(x, y, batch_size=8)
     probe = tf_dp.DPSGD(1.0, l2_norm_clip=clip, noise_multiplier=sigma, seed=seed)
     zeros = [keras.Variable(np.zeros_like(w)) for w in start]
-    probe.apply_private_gradients([tf.zeros_like(w) for w in start], zeros, 8.0, dp_step=0)
+    with drawing_noise(probe):
+        probe.apply_private_gradients([tf.zeros_like(w) for w in start], zeros, 8.0, dp_step=0)
     privatized = [-v.numpy() for v in zeros]
     assert np.std(privatized[1]) == pytest.approx(sigma * clip / 8, rel=0.3)
     reference = [keras.Variable(w) for w in start]

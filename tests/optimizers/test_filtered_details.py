@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
-from tests.harness import loop_per_example_gradients, sparse_ce
+from tests.harness import drawing_noise, loop_per_example_gradients, sparse_ce
 from tf_dp.filters import (
     attenuation_factor,
     ema_attenuation_factor,
@@ -165,7 +165,8 @@ def _run_on_constant_signal(optimizer, steps=6, size=64, batch_size=4.0, signal=
     thetas, filtered = [variable.numpy().copy()], []
     clipped_sum = tf.fill([size], signal * batch_size)
     for t in range(steps):
-        optimizer.apply_private_gradients([clipped_sum], [variable], batch_size, dp_step=tf.constant(t, tf.int64))
+        with drawing_noise(optimizer):
+            optimizer.apply_private_gradients([clipped_sum], [variable], batch_size, dp_step=tf.constant(t, tf.int64))
         filtered.append(optimizer._filtered_gradients[0].numpy().copy())
         thetas.append(variable.numpy().copy())
     noise_variance = (optimizer.noise_multiplier * optimizer.l2_norm_clip / batch_size) ** 2

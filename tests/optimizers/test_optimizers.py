@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
-from tests.harness import flat_norms, loop_per_example_gradients, reference_steps, sparse_ce
+from tests.harness import drawing_noise, flat_norms, loop_per_example_gradients, reference_steps, sparse_ce
 from tf_dp.optimizers import corrected_adam_direction
 
 
@@ -188,7 +188,8 @@ def test_dpadamw_bias_correction_uses_this_steps_sigma_w():
     model.train_on_batch(x, np.zeros((8, 4), "float32"), batch_size=8)
     g = tf_dp.DPSGD(1.0, l2_norm_clip=clip, noise_multiplier=sigma, seed=5)
     replica = [keras.Variable(np.zeros((1, 4), "float32")), keras.Variable(np.zeros(4, "float32"))]
-    g.apply_private_gradients([tf.zeros((1, 4)), tf.zeros(4)], replica, 8.0, dp_step=0)  # the model's step 0, same key
+    with drawing_noise(g):
+        g.apply_private_gradients([tf.zeros((1, 4)), tf.zeros(4)], replica, 8.0, dp_step=0)  # the model's step 0
     ghat = -replica[1].numpy()  # θ = 0 − 1·ĝ
     sigma_w2 = (sigma * clip / 8) ** 2
     m_hat, v_hat = ghat, ghat**2

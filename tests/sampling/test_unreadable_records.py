@@ -171,3 +171,35 @@ def test_serialized_read_names_each_bad_record_and_keeps_every_good_row():
         np.testing.assert_array_equal(read_x[slot], expected)
     np.testing.assert_array_equal(read_y[:3], y[:3])
     assert set(source.unreadable_log().named()) == {3, 11}
+
+
+def _dataset_of_bytes(x, y, corrupt_bad: bool):
+    """An unbatched tf.data pipeline (random access, read through ``DatasetSource``): record i
+    is stored as bytes and decoded by a per-example map; record BAD's bytes are truncated
+    when ``corrupt_bad``, so its map raises (reshape of 3 floats into [6])."""
+    rows = [x[i].astype(np.float32).tobytes() for i in range(N)]
+    if corrupt_bad:
+        rows[BAD] = rows[BAD][:12]
+    decode = lambda raw, target: (tf.reshape(tf.io.decode_raw(raw, tf.float32), [FEATURES]), target)  # noqa: E731
+    return tf.data.Dataset.from_tensor_slices((np.asarray(rows, object), y)).map(decode)
+
+
+def test_a_record_whose_dataset_map_raises_trains_as_a_zero_weight_example():
+    """DatasetSource (an unbatched pipeline read by tf.data.experimental.at): before, the first
+    step that sampled record BAD stopped training with an InvalidArgumentError."""
+    from tf_dp.sampling.sources import DatasetSource, example_source
+
+    x, y = data()
+    assert isinstance(example_source(_dataset_of_bytes(x, y, True)), DatasetSource)  # the path under test
+    assert times_sampled(BAD) >= 2
+    trained, reference, with_record = linear_model(), linear_model(), linear_model()
+    history, warned = fit(trained, _dataset_of_bytes(x, y, True))
+    fit(reference, _dataset_of_bytes(*neighbour(x, y), False))
+    fit(with_record, _dataset_of_bytes(x, y, False))
+    assert int(trained.privacy_ledger.steps.numpy()) == STEPS
+    for a, b in zip(trained.get_weights(), reference.get_weights()):
+        np.testing.assert_array_equal(a, b)  # the neighbouring dataset's release, exactly
+    assert not all(np.array_equal(a, b) for a, b in zip(trained.get_weights(), with_record.get_weights()))
+    assert trained.unreadable_examples == times_sampled(BAD) == history.unreadable_examples
+    assert reference.unreadable_examples == 0 and with_record.unreadable_examples == 0
+    assert len(warned) == 1 and f"example {BAD}" in warned[0]

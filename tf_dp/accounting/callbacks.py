@@ -42,7 +42,7 @@ class PrivacyReport(keras.callbacks.Callback):
         if logs is not None:
             logs["epsilon"] = self.model.get_epsilon()
             optimizer = self.model.optimizer
-            logs["noise_std"] = float(optimizer._averaged_noise_stddev.numpy())  # σ_w = σC/L
+            logs["noise_std"] = float(optimizer.averaged_noise_stddev().numpy())  # σ_w = σC/L
             attenuation = getattr(optimizer, "attenuation", None)
             if attenuation is not None:  # FIBER: noise std left in the filtered gradient
                 logs["filtered_noise_std"] = float(attenuation**0.5 * logs["noise_std"])

@@ -23,7 +23,7 @@ from tf_dp.models.losses import (WeightedTargets, class_weights_of, metric_weigh
 from tf_dp.models.objective import COMPILED_LOSS, PerExampleObjective
 from tf_dp.models.plan import StepPlan, class_weight_table
 from tf_dp.models.row_independence import reprobe_on_trace
-from tf_dp.optimizers import DPOptimizer
+from tf_dp.optimizers import ClippedSum, DPOptimizer
 
 
 REFUSED_LOG = "tf_dp_refused_steps"  # popped from the logs before Keras or a callback sees them
@@ -67,11 +67,10 @@ class DPTrainStep:
         # Before the update: a step is released only if the budget allows it AND the ledger
         # recorded it (0 when its table is full: the host then stops training).
         release = ledger.record_step(sigma, self.step_limit.allows(dp_step, sigma))
-        optimizer.apply_private_gradients(
-            clipped_sums, self.trainable_variables, expected_batch_size, self._regularization_gradients(),
-            dp_step=dp_step, noise_multiplier=sigma, release=release,
-            squared_norms=squared_norms, mask=tf.reshape(mask, [-1]) if wants_norms else None,
-        )
+        optimizer.apply(ClippedSum(
+            clipped_sums, expected_batch_size, dp_step, noise_multiplier=sigma, release=release,
+            public_gradients=self._regularization_gradients(), squared_norms=squared_norms,
+            mask=tf.reshape(mask, [-1]) if wants_norms else None), self.trainable_variables)
         # The ledger's refusal count rides with the logs (public: a function of σ and the
         # table); the host reads it from them, cheaper than a variable read per execution.
         return {**self._step_logs(), **for_multi_worker_reduce({REFUSED_LOG: ledger.refused_steps()})}, release
@@ -101,7 +100,8 @@ class DPTrainStep:
             optimizer.guard_noise_counter(int(ledger.steps.numpy()), ledger)
             executing, door.executing = door.executing, True
             try:
-                logs = function(*args, **kwargs)
+                with optimizer.drawing_window():
+                    logs = function(*args, **kwargs)
             finally:
                 door.executing = executing
             optimizer.record_noise_counter(int(ledger.steps.numpy()))

@@ -2,6 +2,7 @@
 filters, then runs any Keras optimizer's update (docs/algorithms.md §1–§4)."""
 
 from tf_dp.filters import attenuation_factor
+from tf_dp.optimizers.clipped_sum import ClippedSum
 from tf_dp.optimizers.bias_corrected_adam import BiasCorrectedAdam, BiasCorrectedAdamW, corrected_adam_direction
 from tf_dp.optimizers.disk import DiSK, DiSKAdam, DiSKAdamW, DiSKSGD
 from tf_dp.optimizers.dp_optimizer import DPOptimizer
@@ -12,7 +13,8 @@ from tf_dp.optimizers.fiber import FIBER
 from tf_dp.optimizers.transforms import EMAFilter, GradientFilter, InnovationFilter, TwoPointObservation
 
 __all__ = [
-    "BiasCorrectedAdam", "BiasCorrectedAdamW", "DPAdam", "DPAdamW", "DPOptimizer", "DPSGD", "DiSK", "DiSKAdam",
-    "DiSKAdamW", "DiSKSGD", "EMAFilter", "FIBER", "GradientFilter", "InnovationFilter", "TwoPointObservation",
+    "BiasCorrectedAdam", "BiasCorrectedAdamW", "ClippedSum", "DPAdam", "DPAdamW", "DPOptimizer", "DPSGD", "DiSK",
+    "DiSKAdam", "DiSKAdamW", "DiSKSGD", "EMAFilter", "FIBER", "GradientFilter", "InnovationFilter",
+    "TwoPointObservation",
     "attenuation_factor", "corrected_adam_direction",
 ]

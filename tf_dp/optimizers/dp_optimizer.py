@@ -35,6 +35,7 @@ from tf_dp.clipping import CURRENT_WEIGHTS
 from tf_dp.clipping.policy import resolve_clipping
 from tf_dp.noise.privatizer import resolve_privatizer
 from tf_dp.optimizers import transforms
+from tf_dp.optimizers.clipped_sum import ClippedSum
 from tf_dp.optimizers.key_guard import NoiseKeyGuard
 
 _NOT_CALIBRATED = float("nan")
@@ -258,6 +259,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if self._key_guard.guard(dp_step, ledger, self.name):
             self.privatizer.reset(int(dp_step))
 
+    def drawing_window(self):
+        """A context in which ``apply_private_gradients`` may draw noise; the model's train
+        function opens it around each execution, after ``guard_noise_counter``. Outside it the
+        call raises before anything is drawn (docs/algorithms.md A.2).
+
+        Returns:
+          A context manager.
+        """
+        return self._key_guard.drawing_window()
+
     def record_noise_counter(self, dp_step: int) -> None:
         """Steps below ``dp_step`` have drawn noise with the current key."""
         self._key_guard.record(dp_step)
@@ -311,6 +322,23 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     # -- the mechanism --
     def apply(self, grads, trainable_variables=None):
+        """Keras' ``apply``: takes one ``ClippedSum`` (what ``tf_dp.DPModel`` hands it each
+        step) and runs the DP chain on it (``apply_private_gradients``); raw gradients raise.
+
+        Args:
+          grads: a ``tf_dp.optimizers.ClippedSum``.
+          trainable_variables: the variables, aligned with ``grads.sums`` (default: the
+            variables the optimizer was built with).
+
+        Returns:
+          The inner optimizer's iteration count after the update.
+        """
+        if isinstance(grads, ClippedSum):
+            variables = self._trainable_variables if trainable_variables is None else trainable_variables
+            return self.apply_private_gradients(
+                grads.sums, variables, grads.expected_batch_size, grads.public_gradients,
+                dp_step=grads.dp_step, noise_multiplier=grads.noise_multiplier, release=grads.release,
+                squared_norms=grads.squared_norms, mask=grads.mask)
         raise TypeError(
             f"{type(self).__name__} is a differentially private optimizer and refuses raw "
             "gradients: they are neither clipped per example nor noised. Train with "
@@ -351,6 +379,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
           squared_norms, mask: the batch's per-example squared norms [B] and 0/1 mask [B]
             (all chunks), needed by an adaptive clip bound only.
         """
+        self._key_guard.require_window(dp_step, self.name)  # Python: every eager call, or at trace time
         variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):

@@ -8,6 +8,7 @@ run opts in (``set_seed(seed, allow_resume=True)``). See ``tf_dp.noise.key``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import Optional
@@ -76,6 +77,7 @@ class NoiseKeyGuard:
     def _start(self, resume_allowed: bool) -> None:
         """A new key that has drawn nothing yet, for no model yet."""
         self._resume_allowed = resume_allowed
+        self._window_open = getattr(self, "_window_open", False)
         self._generation, self._fresh_from_step = 0, 0
         self._ledger = lambda: None  # a weak reference to the ledger this key draws for
         self._seeded_from_zero = False  # this key's seed has drawn on that ledger since its step 0
@@ -124,6 +126,40 @@ class NoiseKeyGuard:
         """Steps below ``dp_step`` have drawn noise with the current key."""
         self._fresh_from_step = max(self._fresh_from_step, int(dp_step))
 
+    @contextlib.contextmanager
+    def drawing_window(self):
+        """Noise may be drawn inside this block only: the model's train function holds it
+        open around each execution, after ``guard`` (docs/algorithms.md A.2)."""
+        previous, self._window_open = self._window_open, True
+        try:
+            yield
+        finally:
+            self._window_open = previous
+
+    def require_window(self, dp_step, name: str) -> None:
+        """Raises unless a drawing window is open and ``dp_step`` (when known on the host) is
+        not a step this key has already drawn: a direct call would redraw released noise."""
+        if not self._window_open:
+            raise RuntimeError(
+                f"{name}: apply_private_gradients was called outside a DP step. The noise of a step is "
+                "drawn only inside the train function of fit()/train_on_batch(), after the noise-key guard, "
+                "so that no (key, step) pair draws twice; a direct call could redraw the noise of a released "
+                "step. Nothing was released. Train with model.fit()/train_on_batch(), or, in a train_step of "
+                "your own, with the model's public private-gradient call.")
+        step = _host_value(dp_step)
+        if step is not None and step < self._fresh_from_step and self._ledger() is not None:
+            raise RuntimeError(f"{name}: DP step {step} has already drawn noise with this key; drawing it again "
+                               "would let two releases cancel their noise. Nothing was released.")
+
     def read(self) -> tf.Tensor:
         """This step's Philox key: the in-memory key, or fresh OS entropy in secure mode."""
         return secure_key() if self.secure_mode else self._key.read()
+
+
+def _host_value(dp_step) -> Optional[int]:
+    """``dp_step`` as an int when the host knows it (a Python int or an eager tensor), else None."""
+    if isinstance(dp_step, (int, np.integer)):
+        return int(dp_step)
+    if isinstance(dp_step, tf.Tensor) and not tf.is_symbolic_tensor(dp_step):
+        return int(dp_step.numpy())
+    return None

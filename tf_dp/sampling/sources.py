@@ -919,6 +919,77 @@ class DatasetSource(ExampleSource):
             self, indices, mask)
 
 
+    def graph_read_tolerant(self, indices, mask):
+        """``graph_read`` for training, in the graph: (x, y, extras, unreadable). The masked-in
+        rows are read through a dataset with ``ignore_errors``, so a record whose map raises is
+        skipped: its row holds zeros and ``unreadable`` marks it (a zero-weight example, never
+        an exception mid-training); its index is noted in the log on the host."""
+        count = tf.shape(indices, out_type=tf.int64)[0]
+        whole = tf.data.Dataset.from_tensors(indices).map(lambda rows: (True, self.graph_read(rows, mask)[:2]))
+        padding = _zeros_of(self.spec, leading=[count])
+        read_all, (x, y) = whole.ignore_errors().concatenate(tf.data.Dataset.from_tensors((False, padding))) \
+            .take(1).get_single_element()  # the usual case: every record read, in one pass
+
+        def per_record():
+            return self._read_each(indices, mask)
+
+        def all_read():
+            return x, y, tf.zeros(tf.shape(indices), tf.bool)
+
+        x, y, unreadable = tf.cond(read_all, all_read, per_record)
+        return x, y, graph_extras(self, indices, mask), unreadable
+
+    def _read_each(self, indices, mask):
+        """(x, y, unreadable) read record by record, a record whose map raises left as zeros."""
+        real = tf.cast(mask > 0, tf.bool)
+        count = tf.shape(indices, out_type=tf.int64)[0]
+        dataset = self.dataset
+        slots = tf.data.Dataset.range(count).filter(lambda j: tf.gather(real, j))
+        read = slots.map(lambda j: (j, tf.data.experimental.at(dataset, tf.gather(indices, j))),
+                         num_parallel_calls=16, deterministic=True).ignore_errors()
+        sentinel = tf.data.Dataset.from_tensors((tf.constant(-1, tf.int64), _zeros_of(self.spec)))
+        positions, values = read.concatenate(sentinel).batch(count + 1).get_single_element()
+        positions, values = positions[:-1], tf.nest.map_structure(lambda v: v[:-1], values)
+        found = tf.scatter_nd(positions[:, None], tf.ones_like(positions, tf.bool), [count])
+        where = tf.scatter_nd(positions[:, None], tf.range(tf.shape(positions, out_type=tf.int64)[0]), [count])
+
+        def placed(values):
+            gathered = tf.gather(values, where)
+            shape = tf.concat([tf.shape(found), tf.ones([values.shape.rank - 1], tf.int32)], axis=0)
+            return tf.where(tf.reshape(found, shape), gathered, tf.zeros_like(gathered))
+
+        x, y = tf.nest.map_structure(placed, values)
+        return x, y, self._noted(indices, real & ~found)
+
+    def _noted(self, indices, unreadable):
+        """``unreadable``, after noting the failed records' indices in the log (a host call only
+        when there are any)."""
+        def note(failed):
+            for index in np.asarray(failed).reshape(-1):
+                self.unreadable_log().note(int(index), SourceError(
+                    f"the dataset's pipeline raised on example {int(index)}"))
+            return np.int64(len(failed))
+
+        failed = tf.boolean_mask(indices, unreadable)
+        noted = tf.cond(tf.size(failed) > 0,
+                        lambda: tf.numpy_function(tf.autograph.experimental.do_not_convert(note), [failed],
+                                                  tf.int64, stateful=True),
+                        lambda: tf.constant(0, tf.int64))
+        with tf.control_dependencies([noted]):
+            return tf.identity(unreadable)
+
+
+def _zeros_of(spec, leading=()):
+    """Zeros (empty bytes for strings) of ``spec`` with ``leading`` dimensions first: the
+    sentinel of a tolerant read."""
+    def zeros(leaf):
+        shape = tf.concat([tf.cast(leading, tf.int64), tf.constant(leaf.shape.as_list(), tf.int64)], 0) \
+            if len(leading) else leaf.shape
+        return tf.fill(shape, "") if leaf.dtype == tf.string else tf.zeros(shape, leaf.dtype)
+
+    return tf.nest.map_structure(zeros, spec)
+
+
 def graph_extras(source: ExampleSource, indices, mask) -> dict:
     """``source.read_extras`` inside a graph: {name: tensor [n, ...]} (empty without extras)."""
     if not source.extras:
