@@ -99,11 +99,14 @@ def scheme_for_fit(privatizer, num_examples: int, batch_size: int, sampling=None
       privatizer: the optimizer's ``tf_dp.noise.Privatizer``.
       num_examples: the number of training examples N.
       batch_size: ``fit``'s batch_size (expected units per step).
-      sampling: a plug-in's own scheme: ``sampling(num_examples, batch_size)`` returns it
-        (RaCO-DP passes its joint Gaussian + Laplace scheme); None chooses as above.
+      sampling: the name of a registered scheme (``fit(..., sampling="balls_in_bins")``), or a
+        plug-in's own scheme: ``sampling(num_examples, batch_size)`` returns it (RaCO-DP passes
+        its joint Gaussian + Laplace scheme); None chooses as above.
       **fit_arguments: fit's sampling arguments that are not None (e.g. user_ids,
         examples_per_user); each registered scheme names those it takes in ``FIT_ARGUMENTS``.
     """
+    if isinstance(sampling, str):
+        sampling = registered_scheme(sampling)
     if sampling is not None:
         given = sorted(name for name, value in fit_arguments.items() if value is not None)
         if given or getattr(privatizer, "required_sampling", None):
@@ -128,6 +131,24 @@ def scheme_for_fit(privatizer, num_examples: int, batch_size: int, sampling=None
     batch_size = _checks.positive_int("batch_size", batch_size)
     return cls.for_fit(num_examples, batch_size, **arguments) if hasattr(cls, "for_fit") \
         else cls(num_examples, batch_size, **arguments)
+
+
+def registered_scheme(name: str):
+    """The sampling scheme class registered as ``name`` (``register_sampling``).
+
+    Args:
+      name: a registered scheme's name, e.g. "poisson".
+
+    Returns:
+      The ``SamplingScheme`` subclass; calling it with (N, L) gives the scheme.
+
+    Raises:
+      ValueError: no scheme of that name is registered.
+    """
+    if name not in SAMPLING_SCHEMES:
+        raise ValueError(f"sampling={name!r} is not a registered sampling scheme (registered: "
+                         f"{sorted(SAMPLING_SCHEMES)}): import the module that defines it.")
+    return SAMPLING_SCHEMES[name]
 
 
 def _fit_arguments(cls) -> tuple:
