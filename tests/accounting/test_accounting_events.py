@@ -55,6 +55,9 @@ HAND_BUILT = {
     "cyclic_poisson": lambda p: dp_event.SelfComposedDpEvent(
         dp_event.PoissonSampledDpEvent(p.parameter * p.expected_batch_size / p.num_examples,
                                        dp_event.GaussianDpEvent(p.noise_multiplier)), -(-p.steps // int(p.parameter))),
+    # Balls-in-bins (§15): one Gaussian per epoch window of B = parameter steps the T steps overlap.
+    "balls_in_bins": lambda p: dp_event.SelfComposedDpEvent(
+        dp_event.GaussianDpEvent(p.noise_multiplier), math.ceil((p.steps - 1) / p.parameter) + 1),
 }
 SAMPLE_PHASES = {
     "poisson": Phase("poisson", 0.01, 1.1, 10000, 100.0, 300),
@@ -62,6 +65,7 @@ SAMPLE_PHASES = {
     "user_poisson": Phase("user_poisson", 0.05, 1.3, 1090, 54.5, 40),
     "raco_poisson": Phase("raco_poisson", 0.125, 4.0, 32561, 4096.0, 12, parameter=2.0),
     "cyclic_poisson": Phase("cyclic_poisson", 0.04, 1.1, 10000, 100.0, 30, parameter=4.0),
+    "balls_in_bins": Phase("balls_in_bins", 0.01, 1.1, 10000, 100.0, 250, parameter=100.0),
 }
 
 

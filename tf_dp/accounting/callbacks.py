@@ -7,6 +7,7 @@ import warnings
 import keras
 import numpy as np
 
+from tf_dp.accounting import events
 from tf_dp.accounting.accountant import largest_fitting
 
 _UNBOUNDED = 10**8  # more steps than any run takes: the budget does not bind
@@ -123,22 +124,24 @@ class PrivacyBudget(keras.callbacks.Callback):
                           "nothing. List PrivacyBudget after the callback that sets noise_multiplier.", stacklevel=2)
 
     def _stop_a_segment_a_blocked_step_misaligned(self):
-        """A blocked step of a BandMF segment (scheme "cyclic_poisson", docs/algorithms.md §10.2)
-        stops training. The sampler has moved on to the next group while the DP counter (the
-        row of C the next release uses) has not: the groups' later released steps would be only
-        b − 1 apart from their earlier ones, their rows of C would overlap, and the segment's
-        account PoissonSampled(q_b, G(σ))^⌈T/b⌉ would under-state ε. A new ``fit`` starts a new
-        segment (new groups, fresh buffer), which is accounted correctly."""
+        """A blocked step of a segment accounted whole (a scheme registered with
+        ``whole_segments=True``, whose account counts a segment's steps by their positions)
+        stops training. The sampler has moved on while the DP counter has not. For BandMF
+        (scheme "cyclic_poisson", docs/algorithms.md §10.2) the groups' later released steps
+        would be only b − 1 apart from their earlier ones, their rows of C would overlap, and
+        the segment's account PoissonSampled(q_b, G(σ))^⌈T/b⌉ would under-state ε. A new
+        ``fit`` starts a new segment (new groups, fresh buffer), which is accounted correctly."""
         sigma, steps = self._before_batch
         phase = self.model.privacy_ledger.current_phase()
-        if phase is None or phase.scheme != "cyclic_poisson" or self._steps() != steps:
+        if phase is None or not events.is_segmented(phase.scheme) or self._steps() != steps:
             return
         self.model.stop_training = True
-        warnings.warn("tf_dp: a BandMF step was blocked by the privacy budget (noise_multiplier changed by a "
-                      "callback after PrivacyBudget, or the budget reached): training stops, because the cyclic "
-                      "Poisson groups would no longer be b steps apart in the noise's rows. Call fit again to "
-                      "continue (a new segment), and list PrivacyBudget after callbacks that set "
-                      "noise_multiplier.", stacklevel=2)
+        warnings.warn(f"tf_dp: a step of {phase.scheme!r} sampling was blocked by the privacy budget "
+                      "(noise_multiplier changed by a callback after PrivacyBudget, or the budget reached): "
+                      "training stops, because this scheme is accounted by the positions of its steps (BandMF's "
+                      "cyclic Poisson groups must stay b steps apart in the noise's rows) and the sampler has "
+                      "moved on while the step count has not. Call fit again to continue (a new segment), and "
+                      "list PrivacyBudget after callbacks that set noise_multiplier.", stacklevel=2)
 
     def on_train_end(self, logs=None):
         reached = self._allowed_steps is not None and self._steps() >= self._allowed_steps

@@ -23,6 +23,7 @@ from tf_dp import _checks
 from tf_dp.accounting import calibrate_noise_multiplier, events
 from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport, ledger_state
 from tf_dp.clipping.engine import ONE_VIEW, AugmentationViews
+from tf_dp.mechanism import DPMechanism, FixedBatches
 from tf_dp.sampling.tfds_sources import source_for_fit as tfds_source_for_fit
 from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset, is_batched_dataset, num_rows,
                                poisson_dataset, refuse_batched_records, refuse_duplicating_batches)
@@ -167,8 +168,7 @@ class DPFitting:
         steps = steps_per_epoch or math.ceil(scheme.num_units / scheme.expected_batch_size)
         # Privacy callbacks go first so that user callbacks (TensorBoard, CSVLogger) see ε in the logs.
         callbacks = self._privacy_callbacks(scheme, steps * (epochs - initial_epoch)) + callbacks
-        self._open_phase(scheme.ledger_scheme, scheme.sampling_rate, scheme.num_units, scheme.expected_batch_size,
-                         parameter=scheme.ledger_parameter, new_segment=scheme.new_segment)
+        self._open_phase(DPMechanism.of(self.optimizer, scheme))
         if self.optimizer.secure_mode and sampling_seed is not None:
             raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
         steps_taken = StepsTaken(self.privacy_ledger, sampling_seed)
@@ -271,7 +271,7 @@ class DPFitting:
                              "dataset.")
         check_rows_independent(self, self._dp_loss, dataset)
         callbacks = [PrivacyReport()] + callbacks
-        self._open_phase("batches", 1.0, 0, declared)
+        self._open_phase(DPMechanism.of(self.optimizer, FixedBatches(declared)))
         return super().fit(dataset, epochs=epochs, verbose=verbose, callbacks=callbacks,
                            validation_data=validation_data, initial_epoch=initial_epoch,
                            steps_per_epoch=steps_per_epoch, **kwargs)
@@ -298,7 +298,7 @@ class DPFitting:
             phase = self.privacy_ledger.current_phase()
             running = phase is not None and phase.scheme == "batches" and phase.expected_batch_size > 0
             batch_size = phase.expected_batch_size if running else _static_batch_size(x)
-        self._open_phase("batches", 1.0, 0, _checks.positive("batch_size", batch_size))
+        self._open_phase(DPMechanism.of(self.optimizer, FixedBatches(_checks.positive("batch_size", batch_size))))
         if not self.built:
             self._prebuild(x, y)
         self._build_optimizer()
@@ -357,27 +357,24 @@ class DPFitting:
         if not isinstance(getattr(self, "optimizer", None), DPOptimizer) or self._dp_loss is None:
             raise RuntimeError(f"Compile the {type(self).__name__} with a tf_dp optimizer and a loss before training.")
 
-    def _open_phase(self, scheme, sampling_rate, num_examples, expected_batch_size, parameter: float = 0.0,
-                    new_segment: bool = False):
-        self._phase_arguments = (scheme, sampling_rate, num_examples, expected_batch_size, parameter)
+    def _open_phase(self, mechanism: DPMechanism, new_segment: Optional[bool] = None):
+        """Records the phase ``mechanism`` runs in (a new segment if ``new_segment``; None: if the
+        mechanism's scheme starts one with every run)."""
+        self._mechanism, self._phase_arguments = mechanism, mechanism.ledger_arguments()
+        new_segment = mechanism.new_segment if new_segment is None else new_segment
         sigma = self.optimizer.noise_multiplier
         if sigma is None:
             raise ValueError(
                 "The optimizer's `noise_multiplier` is None: set it, or pass `target_epsilon` to compile() "
                 "so that fit() calibrates it."
             )
-        privatizer = getattr(self.optimizer, "privatizer", None)
-        required = getattr(privatizer, "required_sampling", None)
-        if required and scheme != required:
-            raise ValueError(f"noise={privatizer!r} needs {required!r} sampling, which tf_dp draws itself: "
-                             "explicit batches (train_on_batch, a batched dataset) cannot be accounted for it. "
-                             "Pass arrays or an unbatched source to fit(), or use the default Gaussian noise.")
-        if scheme == "batches":
-            self._declared_batch_size.assign(float(expected_batch_size))
+        if mechanism.declared_batch_size is not None:
+            self._declared_batch_size.assign(mechanism.declared_batch_size)
+        scheme, sampling_rate, num_examples, expected_batch_size, parameter = self._phase_arguments
         self.privacy_ledger.open_phase(scheme, sampling_rate, sigma, num_examples, expected_batch_size,
                                        parameter, new_segment=new_segment)
-        if new_segment and privatizer is not None:
-            privatizer.reset(int(self.privacy_ledger.steps.numpy()))  # a new sampler: a fresh noise state
+        if new_segment and mechanism.privatizer is not None:
+            mechanism.privatizer.reset(int(self.privacy_ledger.steps.numpy()))  # a new sampler: a fresh noise state
         self._ledger_after_execution = None  # the phase is recorded: nothing to compare until a step ran
 
     def reopen_phase(self, ledger_replaced: bool = False):
@@ -391,11 +388,10 @@ class DPFitting:
             fresh noise buffer; docs/algorithms.md §10.3) the restored run continues as a NEW
             segment, ⌈T₁/b⌉ + ⌈T₂/b⌉ rounds, not the restored one's ⌈(T₁ + T₂)/b⌉.
         """
-        arguments = getattr(self, "_phase_arguments", None)
-        if not arguments:
+        mechanism = getattr(self, "_mechanism", None)
+        if mechanism is None:
             return
-        new_segment = ledger_replaced and events.is_segmented(arguments[0])
-        self._open_phase(*arguments, new_segment=new_segment)
+        self._open_phase(mechanism, new_segment=ledger_replaced and mechanism.accounted_whole)
 
     def reopen_phase_if_ledger_replaced(self) -> None:
         """Re-records the running phase when the ledger changed since the train function's

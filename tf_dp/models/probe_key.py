@@ -48,7 +48,8 @@ import tensorflow as tf
 _TRANSIENT = frozenset({
     "_called", "_distributed_dataset", "_eval_epoch_iterator", "_initial_epoch", "_lock", "_self_update_uid",
     "predict_function", "stop_evaluating", "stop_predicting", "stop_training", "test_function", "train_function",
-    "history", "_declared_batch_size", "_phase_arguments", "step_plan", "_ledger_after_execution",
+    "history", "_declared_batch_size", "_phase_arguments", "_mechanism", "step_plan",
+    "_ledger_after_execution",
 })
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,

@@ -3,6 +3,7 @@ banded matrix-factorization noise, docs/algorithms.md §10, and Poisson sampling
 §11), and the loader that reads only the
 sampled examples from a random-access source."""
 
+from tf_dp.sampling.balls_in_bins import BallsInBinsSampler  # noqa: F401  (registers "balls_in_bins" sampling)
 from tf_dp.sampling.cyclic_poisson import CyclicPoissonSampler
 from tf_dp.sampling.poisson import PoissonSampler, choose_physical_batch_size, chunk, sample_poisson_batch
 from tf_dp.sampling.sources import (ArraySource, DatasetSource, ExampleSource, RecordSource, SourceError,

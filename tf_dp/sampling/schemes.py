@@ -99,23 +99,27 @@ def scheme_for_fit(privatizer, num_examples: int, batch_size: int, sampling=None
       privatizer: the optimizer's ``tf_dp.noise.Privatizer``.
       num_examples: the number of training examples N.
       batch_size: ``fit``'s batch_size (expected units per step).
-      sampling: a plug-in's own scheme: ``sampling(num_examples, batch_size)`` returns it
-        (RaCO-DP passes its joint Gaussian + Laplace scheme); None chooses as above.
+      sampling: the name of a registered scheme (``fit(..., sampling="balls_in_bins")``), or a
+        plug-in's own scheme: ``sampling(num_examples, batch_size)`` returns it (RaCO-DP passes
+        its joint Gaussian + Laplace scheme); None chooses as above.
       **fit_arguments: fit's sampling arguments that are not None (e.g. user_ids,
         examples_per_user); each registered scheme names those it takes in ``FIT_ARGUMENTS``.
     """
-    if sampling is not None:
-        given = sorted(name for name, value in fit_arguments.items() if value is not None)
-        if given or getattr(privatizer, "required_sampling", None):
-            raise ValueError(f"This model samples with its own scheme; it cannot be combined with "
-                             f"{given or privatizer}.")
-        return sampling(num_examples, _checks.positive_int("batch_size", batch_size))
     required = getattr(privatizer, "required_sampling", None)
     given = {name: value for name, value in fit_arguments.items() if value is not None}
-    chosen = [name for name, cls in SAMPLING_SCHEMES.items() if given and set(given) & set(_fit_arguments(cls))]
+    if sampling is not None and not isinstance(sampling, str):
+        if given or required:
+            raise ValueError(f"This model samples with its own scheme; it cannot be combined with "
+                             f"{sorted(given) or privatizer}.")
+        return sampling(num_examples, _checks.positive_int("batch_size", batch_size))
+    if sampling is not None:
+        registered_scheme(sampling)
+        chosen = [sampling]
+    else:
+        chosen = [name for name, cls in SAMPLING_SCHEMES.items() if given and set(given) & set(_fit_arguments(cls))]
     if required and chosen and required not in chosen:
         raise ValueError(f"noise={privatizer!r} needs {required!r} sampling, which cannot be combined with "
-                         f"{sorted(given)} (the {chosen[0]!r} scheme). Drop one of them.")
+                         f"{sorted(given) or f'sampling={sampling!r}'} (the {chosen[0]!r} scheme). Drop one of them.")
     name = required or (chosen[0] if chosen else "poisson")
     if name not in SAMPLING_SCHEMES:
         raise ValueError(f"noise={privatizer!r} needs the sampling scheme {name!r}, which is not registered "
@@ -128,6 +132,24 @@ def scheme_for_fit(privatizer, num_examples: int, batch_size: int, sampling=None
     batch_size = _checks.positive_int("batch_size", batch_size)
     return cls.for_fit(num_examples, batch_size, **arguments) if hasattr(cls, "for_fit") \
         else cls(num_examples, batch_size, **arguments)
+
+
+def registered_scheme(name: str):
+    """The sampling scheme class registered as ``name`` (``register_sampling``).
+
+    Args:
+      name: a registered scheme's name, e.g. "poisson".
+
+    Returns:
+      The ``SamplingScheme`` subclass; calling it with (N, L) gives the scheme.
+
+    Raises:
+      ValueError: no scheme of that name is registered.
+    """
+    if name not in SAMPLING_SCHEMES:
+        raise ValueError(f"sampling={name!r} is not a registered sampling scheme (registered: "
+                         f"{sorted(SAMPLING_SCHEMES)}): import the module that defines it.")
+    return SAMPLING_SCHEMES[name]
 
 
 def _fit_arguments(cls) -> tuple:
