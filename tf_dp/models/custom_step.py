@@ -1,4 +1,5 @@
-"""Your own DP training logic, Keras-native (docs/guides/custom-training.md, docs/algorithms.md §1).
+"""Your own DP training logic, Keras-native (docs/algorithms.md §1; the guide:
+docs/guides/keras-models.md#your-own-training-logic).
 
 Two public ways, both clipping each example's gradient to C before one N(0, σ²C²I) draw,
 recorded in the ledger like the built-in step:
@@ -185,7 +186,7 @@ def refuse_own_training_logic(model) -> None:
             "defines: the private model would silently run tf_dp's step instead. Fix: subclass tf_dp.DPModel "
             "instead of keras.Model, and either override compute_loss(x, y, y_pred, sample_weight, training) "
             "returning one loss per example, or write train_step(self, data) calling "
-            "self.private_update(per_example_loss, data) (docs/guides/custom-training.md).")
+            "self.private_update(per_example_loss, data) (docs/guides/keras-models.md#your-own-training-logic).")
 
 
 def keras_tensors_given(args, kwargs) -> bool:
@@ -237,7 +238,7 @@ class CustomTraining:
         DP optimizer; the step is recorded in the ledger (a privacy budget may refuse it:
         then nothing is applied). Call it at most once per train step, inside ``fit`` or
         ``train_on_batch``; update anything else (a GAN's generator) from values that do not
-        read ``data`` (docs/guides/custom-training.md).
+        read ``data`` (docs/guides/keras-models.md#your-own-training-logic).
 
         Args:
           per_example_loss: ``fn(x, y) -> [batch]``, example i's term from its own row of x
@@ -303,9 +304,15 @@ def _objective_model(owner, trains, fn) -> _Objective:
     return cache[key][1]
 
 
-def _outermost_graph():
+_CONTROL_FLOW_GRAPHS = frozenset({"CondBranchFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph"})
+
+
+def _step_graph():
+    """The function graph of the train step being traced: the innermost one that is not a
+    cond branch or a loop body (Keras may trace the step more than once, each in a graph of
+    its own, inside one outer function)."""
     graph = tf.compat.v1.get_default_graph()
-    while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):
+    while type(graph).__name__ in _CONTROL_FLOW_GRAPHS and getattr(graph, "outer_graph", None) is not None:
         graph = graph.outer_graph
     return graph
 
@@ -317,7 +324,7 @@ def _one_call_per_trace(owner) -> None:
     if tf.executing_eagerly():
         raise RuntimeError(f"{owner.name}: private_update runs in the compiled train step; compile with "
                            "run_eagerly=False.")
-    graph = _outermost_graph()
+    graph = _step_graph()
     calls = owner._untracked.__dict__.setdefault("private_update_graphs", weakref.WeakKeyDictionary())
     if graph in calls:
         raise RuntimeError(

@@ -318,7 +318,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "plain keras.Model; those hand the optimizer per-example clipped sums. In a train_step of "
             "your own (tape.gradient + apply_gradients), call `self.private_update(per_example_loss, "
             "data)` instead: it clips, noises and applies the step and records it in the ledger "
-            "(docs/guides/custom-training.md)."
+            "(docs/guides/keras-models.md#your-own-training-logic)."
         )
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
