@@ -31,16 +31,23 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.clipping import clipped_gradient_sum
+from tf_dp.models import row_independence
 from tf_dp.models.losses import per_example_loss as compiled_per_example_loss
-from tf_dp.models.losses import unpack_targets
-from tf_dp.models.objective import PerExampleObjective
+from tf_dp.models.objective import INPUTS, TARGETS, WEIGHTS, PerExampleObjective, packed_targets
 
-INPUTS, TARGETS, WEIGHTS = "x", "y", "sample_weight"  # keys of the targets a compute_loss step packs
 LATENT = "latent"  # private_update's per-example N(0, I) draws
 
 
 def overrides(model, method: str) -> bool:
-    """Whether ``type(model)`` defines ``method`` itself rather than taking Keras' or tf_dp's."""
+    """Whether ``type(model)`` (or a user's base class) defines ``method`` rather than Keras or tf_dp.
+
+    Args:
+      model: a Keras model.
+      method: the method's name ("train_step", "compute_loss").
+
+    Returns:
+      True when the nearest definition of ``method`` in the class's MRO is the user's.
+    """
     own = getattr(type(model), method, None)
     for owner in type(model).__mro__:
         if method in vars(owner):
@@ -130,17 +137,6 @@ def per_example_values(values, inputs, name: str) -> tf.Tensor:
     return values
 
 
-def packed_targets(x, y):
-    """{x, y, sample_weight} for ``ComputeLossTerms`` (absent keys: None)."""
-    targets, sample_weight = unpack_targets(y)
-    packed = {INPUTS: x}
-    if targets is not None:
-        packed[TARGETS] = targets
-    if sample_weight is not None:
-        packed[WEIGHTS] = sample_weight
-    return packed
-
-
 def targets_and_objective(model, x, y):
     """The targets and objective of the built-in step: y and DP-SGD's compiled loss, or, for
     a model with its own ``compute_loss``, the packed targets whose ``labels`` the metrics read.
@@ -160,12 +156,6 @@ def targets_and_objective(model, x, y):
 
 def _labels_of_packed(packed):
     return packed.get(TARGETS)
-
-
-def probe_targets(per_example_loss, x, y):
-    """The targets the row-independence probe hands ``per_example_loss``: packed with x for
-    a loss that reads the inputs (``ComputeLossTerms``), else y."""
-    return packed_targets(x, y) if getattr(per_example_loss, "reads_inputs", False) else y
 
 
 # ----------------------------------------------------- refusals of make_private
@@ -192,7 +182,15 @@ def refuse_own_training_logic(model) -> None:
 def keras_tensors_given(args, kwargs) -> bool:
     """Whether DPModel's constructor arguments are a functional model's (inputs, outputs):
     only when they are Keras tensors (``class VAE(tf_dp.DPModel): __init__(self, encoder,
-    decoder)`` takes two positional arguments that are not)."""
+    decoder)`` takes two positional arguments that are not).
+
+    Args:
+      args: the constructor's positional arguments.
+      kwargs: its keyword arguments.
+
+    Returns:
+      True if the inputs and outputs given are all Keras tensors.
+    """
     inputs = args[0] if args else kwargs.get("inputs")
     outputs = args[1] if len(args) > 1 else kwargs.get("outputs")
     leaves = tf.nest.flatten(inputs) + tf.nest.flatten(outputs)
@@ -338,8 +336,6 @@ def _one_call_per_trace(owner) -> None:
 def _probe_on_trace(owner, model, latent_shape) -> None:
     """The row-independence probe of the objective (tf_dp.models.row_independence) on the
     head rows of the model's last probe, once per trace (eagerly, nothing in the step)."""
-    from tf_dp.models import row_independence  # the rows fit/train_on_batch probed
-
     probed = row_independence._latest.get(owner)
     if probed is None:
         return

@@ -66,8 +66,8 @@ import tensorflow as tf
 
 from tf_dp.clipping.layer_per_example import calls_wrapped
 from tf_dp.clipping.per_example import total_embedding_lookups
-from tf_dp.models.custom_step import probe_targets
 from tf_dp.models.losses import without_unused_targets
+from tf_dp.models.objective import probe_targets
 from tf_dp.models.probe_key import verdict_key
 from tf_dp.sampling.sources import num_rows
 
