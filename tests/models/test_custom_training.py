@@ -259,7 +259,7 @@ def test_gan_step_with_two_optimizers_through_private_update():
     d_before, g_before = _values(model.discriminator.trainable_variables), _values(model.generator.trainable_variables)
     logs = model.train_on_batch(x[:L], np.zeros(L), batch_size=L, return_dict=True)
     d_after, g_after = _values(model.discriminator.trainable_variables), _values(model.generator.trainable_variables)
-    assert int(model.privacy_ledger.steps.numpy()) == 1 and set(logs) >= {"loss", "g_loss"}
+    assert int(model.privacy_ledger.steps.numpy()) == 1 and set(logs) >= {"loss", "g_loss", "nonfinite_examples"}
     assert max(np.max(np.abs(a - b)) for a, b in zip(g_after, g_before)) > 0  # the generator trained too
     for variable, value in zip(model.trainable_variables, d_before + g_before):
         variable.assign(value)
@@ -323,3 +323,19 @@ def test_make_private_refuses_a_model_with_its_own_training_logic(cls, method):
     inputs = keras.Input((4,))
     with pytest.raises(TypeError, match=rf"{method}.*subclass tf_dp\.DPModel.*private_update"):
         tf_dp.make_private(cls(inputs, keras.layers.Dense(1)(inputs)))
+
+
+class MixingGAN(GAN):
+    def d_loss(self, real, unused_y, latent):
+        losses = super().d_loss(real, unused_y, latent)
+        return losses + ops.mean(losses)  # every example's term reads the batch
+
+
+def test_a_private_update_objective_that_mixes_rows_is_refused():
+    """The row-independence probe runs on private_update's objective, before any release."""
+    model = MixingGAN(_mlp(4, 4, 1), _mlp(5, 3, 4), 3)
+    model.compile(_dpsgd(), keras.optimizers.SGD(0.1))
+    x = _data(features=4)[0]
+    with pytest.raises(ValueError, match="mixes examples"):
+        model.train_on_batch(x[:L], np.zeros(L), batch_size=L)
+    assert int(model.privacy_ledger.steps.numpy()) == 0

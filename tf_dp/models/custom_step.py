@@ -22,6 +22,7 @@ recorded in the ledger like the built-in step:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from typing import Callable, Optional
@@ -228,6 +229,12 @@ def _objective_losses(unused_targets, losses):
 class CustomTraining:
     """``private_update`` for a train step of one's own (mixed into DPModelMixin)."""
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        step = vars(cls).get("train_step")
+        if step is not None and not getattr(step, "counts_private_updates", False):
+            cls.train_step = _one_release_per_step(step)
+
     def private_update(self, per_example_loss: Callable, data, trains: Optional[keras.layers.Layer] = None,
                        latent_shape: Optional[tuple] = None) -> dict:
         """One DP step of a ``train_step`` of your own: clips the gradient of each example's
@@ -249,11 +256,13 @@ class CustomTraining:
             values drawn inside ``per_example_loss`` are shared by the batch, not rows of it.
 
         Returns:
-          The step's logs: {"loss": the mean term over the batch's examples} (a function of
-          the private batch, outside ε; {} with ``compile(private_logs=True)``).
+          The step's logs: {"loss": the mean term over the batch's examples,
+          "nonfinite_examples": examples whose gradient was NaN/Inf this epoch (they contribute
+          zero)} — functions of the private batch, outside ε; {} with
+          ``compile(private_logs=True)``.
         """
         self._step_door.require_open(self.name)
-        _one_call_per_trace(self)
+        _one_call_per_step(self)
         x, y, mask, expected_batch_size = self._unpack_custom_batch(data)
         model = _objective_model(self, self if trains is None else trains, per_example_loss)
         _probe_on_trace(self, model, latent_shape)
@@ -265,13 +274,17 @@ class CustomTraining:
         if latent_shape is not None:
             inputs[LATENT] = keras.random.normal(tf.concat([tf.shape(mask), tf.constant(tuple(latent_shape), tf.int32)],
                                                            0), seed=self._latent_seeds())
-        sums, norms, mean_loss = _clipped_sums(self, model, inputs, mask, optimizer.evaluation_points(variables))
+        sums, norms, mean_loss, nonfinite = _clipped_sums(self, model, inputs, mask,
+                                                          optimizer.evaluation_points(variables))
         release = ledger.record_step(sigma, self.step_limit.allows(dp_step, sigma))
         optimizer.apply_private_gradients(
             sums, variables, expected_batch_size, _regularization_gradients(variables), dp_step=dp_step,
             noise_multiplier=sigma, release=release, squared_norms=norms if wants_norms else None,
             mask=tf.reshape(mask, [-1]) if wants_norms else None)
-        return {} if self._dp["private_logs"] else {"loss": mean_loss}
+        if self._dp["private_logs"]:
+            return {}
+        self.nonfinite_examples.assign_add(nonfinite)
+        return {"loss": mean_loss, "nonfinite_examples": self.nonfinite_examples.read_value()}
 
     def _latent_seeds(self) -> keras.random.SeedGenerator:
         """The seed generator of ``latent_shape`` draws (not a saved weight, not the DP noise key)."""
@@ -302,42 +315,50 @@ def _objective_model(owner, trains, fn) -> _Objective:
     return cache[key][1]
 
 
-_CONTROL_FLOW_GRAPHS = frozenset({"CondBranchFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph"})
+def _one_release_per_step(train_step):
+    """Wraps a user's ``train_step``: the outermost call opens the count of its
+    ``private_update`` calls (at trace time in a graph, per call eagerly)."""
+    @functools.wraps(train_step)
+    def counted_train_step(self, data):
+        counts = self._untracked.__dict__
+        if counts.get(_UPDATES) is not None:  # a train_step calling super().train_step
+            return train_step(self, data)
+        counts[_UPDATES] = 0
+        try:
+            return train_step(self, data)
+        finally:
+            counts[_UPDATES] = None
+
+    counted_train_step.counts_private_updates = True
+    return counted_train_step
 
 
-def _step_graph():
-    """The function graph of the train step being traced: the innermost one that is not a
-    cond branch or a loop body (Keras may trace the step more than once, each in a graph of
-    its own, inside one outer function)."""
-    graph = tf.compat.v1.get_default_graph()
-    while type(graph).__name__ in _CONTROL_FLOW_GRAPHS and getattr(graph, "outer_graph", None) is not None:
-        graph = graph.outer_graph
-    return graph
+_UPDATES = "private_updates_this_step"
 
 
-def _one_call_per_trace(owner) -> None:
-    """Refuses a second ``private_update`` in one train step, and eager execution (where
-    steps cannot be told apart): two DP releases of one batch are one mechanism at
-    σ_eff = (σ⁻² + σ⁻²)^(−1/2), which two ledger records of σ each would under-account."""
-    if tf.executing_eagerly():
-        raise RuntimeError(f"{owner.name}: private_update runs in the compiled train step; compile with "
-                           "run_eagerly=False.")
-    graph = _step_graph()
-    calls = owner._untracked.__dict__.setdefault("private_update_graphs", weakref.WeakKeyDictionary())
-    if graph in calls:
+def _one_call_per_step(owner) -> None:
+    """Refuses a second ``private_update`` in one train step: two DP releases of one batch
+    are one mechanism at σ_eff = (σ₁⁻² + σ₂⁻²)^(−1/2), which two ledger records at σ₁ and σ₂
+    would under-account."""
+    counts = owner._untracked.__dict__
+    if counts.get(_UPDATES) is None:
+        raise RuntimeError(f"{owner.name}: private_update is called from the model's own train_step (inside "
+                           "fit/train_on_batch).")
+    if counts[_UPDATES]:
         raise RuntimeError(
             f"{owner.name}: private_update was called twice in one train step. Two releases of the same batch "
             "are ONE mechanism at σ_eff = (σ₁⁻² + σ₂⁻²)^(−1/2), not two steps at σ: tf_dp does not account that "
             "yet. Take one private_update per step (with `trains` covering every variable the private data "
             "reaches); update the rest (a GAN's generator) from values that do not read `data`.")
-    calls[graph] = True
+    counts[_UPDATES] += 1
 
 
 def _probe_on_trace(owner, model, latent_shape) -> None:
     """The row-independence probe of the objective (tf_dp.models.row_independence) on the
     head rows of the model's last probe, once per trace (eagerly, nothing in the step)."""
     probed = row_independence._latest.get(owner)
-    if probed is None:
+    done = owner._untracked.__dict__.setdefault("objective_probes", {})
+    if probed is None or (tf.executing_eagerly() and done.get(id(model)) is probed):  # eagerly: once per fit
         return
     x, y = probed.head
     with tf.init_scope():
@@ -346,11 +367,13 @@ def _probe_on_trace(owner, model, latent_shape) -> None:
         if latent_shape is not None:  # any values: the probe compares rows, it does not train
             inputs[LATENT] = np.random.default_rng(0).normal(size=(rows, *latent_shape)).astype(np.float32)
         row_independence.check_rows_independent(model, _objective_losses, inputs, tf.zeros([rows]))
+    done[id(model)] = probed
 
 
 def _clipped_sums(owner, model, inputs, mask, points):
     """Σ over chunks of Σ_i c_i g_i of ``model``'s per-example outputs, the squared norms
-    ([chunks·P]) and the mean term over real rows."""
+    ([chunks·P]), the mean term over real rows and the count of real rows whose gradient was
+    not finite (they contribute zero)."""
     clip, engine = owner.optimizer.clip_bound(), owner._dp["engine"]
     clipping = getattr(owner.optimizer, "clipping", None)
     variables = model.trainable_variables
@@ -360,17 +383,18 @@ def _clipped_sums(owner, model, inputs, mask, points):
         rows = take(mask)
         result = clipped_gradient_sum(model, _objective_losses, tf.nest.map_structure(take, inputs), rows, rows,
                                       clip, engine=engine, points=points, clipping=clipping)
-        sums, norms, total = totals
+        sums, norms, total, nonfinite = totals
         real = tf.where(tf.cast(rows, tf.bool), tf.cast(result.losses, tf.float32), 0.0)
         return ([s + c for s, c in zip(sums, result.clipped_sums)], norms.write(index, result.squared_norms),
-                total + tf.reduce_sum(real))
+                total + tf.reduce_sum(real), nonfinite + result.nonfinite_count(rows))
 
     chunks = tf.shape(mask)[0]
     totals = ([tf.zeros_like(v) for v in variables],
-              tf.TensorArray(tf.float32, size=chunks, element_shape=mask.shape[1:]), tf.constant(0.0))
-    _, (sums, norms, total) = tf.while_loop(lambda index, _: index < chunks,
-                                            lambda index, t: (index + 1, chunk(index, t)), (tf.constant(0), totals))
-    return sums, norms.concat(), tf.math.divide_no_nan(total, tf.reduce_sum(mask))
+              tf.TensorArray(tf.float32, size=chunks, element_shape=mask.shape[1:]), tf.constant(0.0),
+              tf.constant(0.0))
+    _, (sums, norms, total, nonfinite) = tf.while_loop(
+        lambda index, _: index < chunks, lambda index, t: (index + 1, chunk(index, t)), (tf.constant(0), totals))
+    return sums, norms.concat(), tf.math.divide_no_nan(total, tf.reduce_sum(mask)), nonfinite
 
 
 def _regularization_gradients(variables):
