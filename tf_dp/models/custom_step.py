@@ -1,4 +1,4 @@
-"""Your own DP training logic, Keras-native (docs/algorithms.md §1; the guide:
+"""Your own DP training logic, Keras-native (docs/algorithms.md §1.5; the guide:
 docs/guides/keras-models.md#your-own-training-logic).
 
 Two public ways, both clipping each example's gradient to C before one N(0, σ²C²I) draw,
