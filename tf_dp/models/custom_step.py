@@ -235,8 +235,8 @@ class CustomTraining:
         if step is not None and not getattr(step, "counts_private_updates", False):
             cls.train_step = _one_release_per_step(step)
 
-    def private_update(self, per_example_loss: Callable, data, trains: Optional[keras.layers.Layer] = None,
-                       latent_shape: Optional[tuple] = None) -> dict:
+    def private_update(self, per_example_loss, data, trains: Optional[keras.layers.Layer] = None,
+                       latent_shape: Optional[tuple] = None, targets=None, return_release: bool = False):
         """One DP step of a ``train_step`` of your own: clips the gradient of each example's
         term ``per_example_loss(x, y)`` to C, adds N(0, σ²C²I) once, divides by L (the
         expected batch size, never the realized one) and applies the result with the model's
@@ -251,18 +251,31 @@ class CustomTraining:
           data: the ``data`` your ``train_step`` received.
           trains: the layer or sub-model whose trainable variables the step updates
             (default: the whole model).
+            A ``tf_dp.models.objective.PerExampleObjective`` instead is a term of the model's
+            own outputs, ``loss(y, y_pred) -> [batch]``, clipped exactly as the compiled loss
+            (the built-in step with that term: its probe, metrics and logs).
           latent_shape: if given, each example also gets its own N(0, I) draw of this shape,
             passed as ``per_example_loss(x, y, latent)`` (a GAN's generator input): random
             values drawn inside ``per_example_loss`` are shared by the batch, not rows of it.
+          targets: the per-example targets the term reads instead of ``data``'s y (same
+            leading axes as y, e.g. labels packed with a per-example column; a
+            ``PerExampleObjective`` only).
+          return_release: also return the step's 0/1 release flag (0: a privacy budget or
+            the full ledger refused the step and nothing was applied), to keep state the
+            step derives from the same batch only when released.
 
         Returns:
           The step's logs: {"loss": the mean term over the batch's examples,
           "nonfinite_examples": examples whose gradient was NaN/Inf this epoch (they contribute
           zero)} — functions of the private batch, outside ε; {} with
-          ``compile(private_logs=True)``.
+          ``compile(private_logs=True)``. With ``return_release``: (logs, release).
         """
         self._step_door.require_open(self.name)
         _one_call_per_step(self)
+        if isinstance(per_example_loss, PerExampleObjective):
+            return self._update_on_outputs(per_example_loss, data, targets, return_release)
+        if targets is not None:
+            raise ValueError("`targets` goes with a PerExampleObjective; per_example_loss(x, y) reads data's y.")
         x, y, mask, expected_batch_size = self._unpack_custom_batch(data)
         model = _objective_model(self, self if trains is None else trains, per_example_loss)
         _probe_on_trace(self, model, latent_shape)
@@ -281,10 +294,18 @@ class CustomTraining:
             sums, variables, expected_batch_size, _regularization_gradients(variables), dp_step=dp_step,
             noise_multiplier=sigma, release=release, squared_norms=norms if wants_norms else None,
             mask=tf.reshape(mask, [-1]) if wants_norms else None)
-        if self._dp["private_logs"]:
-            return {}
-        self.nonfinite_examples.assign_add(nonfinite)
-        return {"loss": mean_loss, "nonfinite_examples": self.nonfinite_examples.read_value()}
+        logs = {}
+        if not self._dp["private_logs"]:
+            self.nonfinite_examples.assign_add(nonfinite)
+            logs = {"loss": mean_loss, "nonfinite_examples": self.nonfinite_examples.read_value()}
+        return (logs, release) if return_release else logs
+
+    def _update_on_outputs(self, objective: PerExampleObjective, data, targets, return_release: bool):
+        """The built-in DP step with ``objective``'s term of the model's outputs (and ``targets``)."""
+        x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
+        logs, release = self._dp_step(x, y if targets is None else targets, mask, expected_batch_size,
+                                      objective=objective)
+        return (logs, release) if return_release else logs
 
     def _latent_seeds(self) -> keras.random.SeedGenerator:
         """The seed generator of ``latent_shape`` draws (not a saved weight, not the DP noise key)."""
