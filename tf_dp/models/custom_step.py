@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import weakref
 from typing import Callable, Optional
 
@@ -341,37 +342,40 @@ def _one_release_per_step(train_step):
     ``private_update`` calls (at trace time in a graph, per call eagerly)."""
     @functools.wraps(train_step)
     def counted_train_step(self, data):
-        counts = self._untracked.__dict__
-        if counts.get(_UPDATES) is not None:  # a train_step calling super().train_step
+        counts = _update_counts(self)
+        if counts.get(threading.get_ident()) is not None:  # a train_step calling super().train_step
             return train_step(self, data)
-        counts[_UPDATES] = 0
+        counts[threading.get_ident()] = 0
         try:
             return train_step(self, data)
         finally:
-            counts[_UPDATES] = None
+            del counts[threading.get_ident()]
 
     counted_train_step.counts_private_updates = True
     return counted_train_step
 
 
-_UPDATES = "private_updates_this_step"
+def _update_counts(owner) -> dict:
+    """{thread: private_update calls in the train step it runs}: tf.distribute replicas run
+    the step in threads of their own, each its own step on its share of the batch."""
+    return owner._untracked.__dict__.setdefault("private_updates_this_step", {})
 
 
 def _one_call_per_step(owner) -> None:
     """Refuses a second ``private_update`` in one train step: two DP releases of one batch
     are one mechanism at σ_eff = (σ₁⁻² + σ₂⁻²)^(−1/2), which two ledger records at σ₁ and σ₂
     would under-account."""
-    counts = owner._untracked.__dict__
-    if counts.get(_UPDATES) is None:
+    counts, thread = _update_counts(owner), threading.get_ident()
+    if counts.get(thread) is None:
         raise RuntimeError(f"{owner.name}: private_update is called from the model's own train_step (inside "
                            "fit/train_on_batch).")
-    if counts[_UPDATES]:
+    if counts[thread]:
         raise RuntimeError(
             f"{owner.name}: private_update was called twice in one train step. Two releases of the same batch "
             "are ONE mechanism at σ_eff = (σ₁⁻² + σ₂⁻²)^(−1/2), not two steps at σ: tf_dp does not account that "
             "yet. Take one private_update per step (with `trains` covering every variable the private data "
             "reaches); update the rest (a GAN's generator) from values that do not read `data`.")
-    counts[_UPDATES] += 1
+    counts[thread] += 1
 
 
 def _probe_on_trace(owner, model, latent_shape) -> None:
