@@ -21,8 +21,8 @@ from tf_dp.accounting import ACCOUNTANTS, PrivacyLedger
 from tf_dp.accounting.budget import StepLimit
 from tf_dp.accounting.callbacks import PrivacyBudget
 from tf_dp.clipping import ENGINES
+from tf_dp.models.custom_step import CustomTraining, keras_tensors_given, objective_loss, refuse_own_training_logic
 from tf_dp.models.fitting import DPFitting
-from tf_dp.models.losses import per_example_loss
 from tf_dp.models.plan import StepPlan
 from tf_dp.models.reporting import PrivacyReporting
 from tf_dp.models.step import DPTrainStep, StepDoor
@@ -36,7 +36,7 @@ def _accelerator_present() -> bool:
     return bool(tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU"))
 
 
-class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
+class DPModelMixin(CustomTraining, DPTrainStep, DPFitting, PrivacyReporting):
     """The DP training behaviour shared by DPModel and DPSequential."""
 
     def _init_privacy(self):
@@ -189,7 +189,7 @@ class DPModelMixin(DPTrainStep, DPFitting, PrivacyReporting):
             "engine": _checks.one_of("clipping_engine", clipping_engine, ENGINES),
             "private_logs": _checks.boolean("private_logs", private_logs),
         }
-        self._dp_loss = per_example_loss(loss, kwargs.get("loss_weights"), _output_names(self))
+        self._dp_loss = objective_loss(self, loss, kwargs.get("loss_weights"), _output_names(self))
         self._adopt_layers_ledger()  # a subclassed model's layers exist by now
         if jit_compile == "auto":
             jit_compile = _accelerator_present() and not optimizer.secure_mode
@@ -292,7 +292,8 @@ class DPModel(DPModelMixin, keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+        if (functional_init_arguments(args, kwargs) and keras_tensors_given(args, kwargs)
+                and not issubclass(cls, Functional)):
             return keras.Model.__new__(functional_variant(cls))
         return super().__new__(cls, *args, **kwargs)
 
@@ -368,6 +369,7 @@ def make_private(model: keras.Model) -> DPModel:
         return model
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    refuse_own_training_logic(model)
     if isinstance(model, keras.Sequential):
         return _private_sequential(model)
     inputs = getattr(model, "inputs", None)

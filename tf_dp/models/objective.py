@@ -21,6 +21,8 @@ from typing import Callable, Optional
 
 from tf_dp.models.losses import unpack_targets
 
+INPUTS, TARGETS, WEIGHTS = "x", "y", "sample_weight"  # keys of targets packed with the inputs (compute_loss)
+
 PerExampleLoss = Callable  # (y_true, y_pred) -> [P] losses, one per example of the chunk
 
 
@@ -63,3 +65,35 @@ class PerExampleObjective:
 
 
 COMPILED_LOSS = PerExampleObjective()  # DP-SGD's: ℓ_i of the compiled loss, y's own labels
+
+
+def packed_targets(x, y):
+    """{x, y, sample_weight} for a loss that reads the inputs (``ComputeLossTerms``).
+
+    Args:
+      x: the examples' inputs.
+      y: their targets (None, or packed with sample weights in a ``WeightedTargets``).
+
+    Returns:
+      The dict, without the keys whose value is None.
+    """
+    targets, sample_weight = unpack_targets(y)
+    packed = {INPUTS: x}
+    if targets is not None:
+        packed[TARGETS] = targets
+    if sample_weight is not None:
+        packed[WEIGHTS] = sample_weight
+    return packed
+
+
+def probe_targets(per_example_loss, x, y):
+    """The targets the row-independence probe hands ``per_example_loss``.
+
+    Args:
+      per_example_loss: the loss the DP step clips.
+      x, y: the probed rows' inputs and targets.
+
+    Returns:
+      ``packed_targets(x, y)`` for a loss that reads the inputs (``ComputeLossTerms``), else y.
+    """
+    return packed_targets(x, y) if getattr(per_example_loss, "reads_inputs", False) else y

@@ -67,6 +67,7 @@ import tensorflow as tf
 from tf_dp.clipping.layer_per_example import calls_wrapped
 from tf_dp.clipping.per_example import total_embedding_lookups
 from tf_dp.models.losses import without_unused_targets
+from tf_dp.models.objective import probe_targets
 from tf_dp.models.probe_key import verdict_key
 from tf_dp.sampling.sources import num_rows
 
@@ -196,6 +197,7 @@ def _probed_head(per_example_loss, x, y, rows: int):
         x, y = _first_batch(x)
         y = without_unused_targets(per_example_loss, y)  # (y0, None) for loss=[fn, None]
     x, y = _as_numpy(x), None if y is None else _as_numpy(y)
+    y = probe_targets(per_example_loss, x, y)  # a model's own compute_loss reads x too (custom_step)
     count = min(num_rows(x), rows + DONOR_SEARCH)
     if count < 2:
         return None

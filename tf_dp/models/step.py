@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.clipping.engine import view_of
+from tf_dp.models.custom_step import targets_and_objective
 from tf_dp.models.data import is_poisson_batch
 from tf_dp.models.losses import (WeightedTargets, class_weights_of, metric_weights_for_masks, unpack_targets,
                                   without_unused_targets)
@@ -41,7 +42,8 @@ class DPTrainStep:
         if not isinstance(self.optimizer, DPOptimizer):
             raise TypeError("A DPModel trains only with a tf_dp DP optimizer; recompile with one.")
         x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
-        logs, _ = self._dp_step(x, y, mask, expected_batch_size)
+        y, objective = targets_and_objective(self, x, y)  # a compute_loss of the model's own reads x too
+        logs, _ = self._dp_step(x, y, mask, expected_batch_size, objective=objective)
         return logs
 
     def _dp_step(self, x, y, mask, expected_batch_size, objective: PerExampleObjective = COMPILED_LOSS):
@@ -138,18 +140,18 @@ class DPTrainStep:
         self._step_door.require_open(self.name)
         if is_poisson_batch(data):
             weight = poisson_sample_weight(data, self.step_plan.sample_weights)
-            y = self._weighted_targets(data["y"], weight)
+            y = self._weighted_targets(data.get("y"), weight)
             return data["x"], y, data["mask"], data["expected_batch_size"][0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y = without_unused_targets(self._dp_loss, y)
-        if y is None:
+        if y is None and not getattr(self._dp_loss, "reads_inputs", False):
             raise ValueError("DP training needs targets `y` to compute each example's loss.")
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         add_chunk_axis = lambda t: tf.expand_dims(t, 0)  # noqa: E731
         mask = tf.ones([1, batch], tf.float32)
         if sample_weight is not None:
             sample_weight = tf.nest.map_structure(add_chunk_axis, sample_weight)
-        y = self._weighted_targets(tf.nest.map_structure(add_chunk_axis, y), sample_weight)
+        y = self._weighted_targets(None if y is None else tf.nest.map_structure(add_chunk_axis, y), sample_weight)
         return tf.nest.map_structure(add_chunk_axis, x), y, mask, self._declared_batch_size.read_value()
 
     # ------------------------------------------------------- the step plan

@@ -343,7 +343,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
             f"{type(self).__name__} is a differentially private optimizer and refuses raw "
             "gradients: they are neither clipped per example nor noised. Train with "
             "`tf_dp.DPModel`, `tf_dp.DPSequential` or `tf_dp.make_private(model)` instead of a "
-            "plain keras.Model; those hand the optimizer per-example clipped sums."
+            "plain keras.Model; those hand the optimizer per-example clipped sums. In a train_step of "
+            "your own (tape.gradient + apply_gradients), call `self.private_update(per_example_loss, "
+            "data)` instead: it clips, noises and applies the step and records it in the ledger "
+            "(docs/guides/keras-models.md#your-own-training-logic)."
         )
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):

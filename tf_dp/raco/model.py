@@ -12,8 +12,9 @@ jointly (tf_dp.raco.accounting).
 RaCO-DP is a plug-in of the DP step built from its parts (docs/design.md): its sampling
 scheme (tf_dp.raco.sampling) and accountant, the group ids as fit's ``per_example_extras``,
 and step 3's term as a ``PerExampleObjective`` built from each step's Ĥ and passed to the
-step (``lagrangian_objective``). It overrides no private method of DPModel and keeps no
-state on the model between building a value and using it.
+step through the public ``private_update`` (``lagrangian_objective``). It overrides no private
+method of DPModel, calls none of its step, and keeps no state on the model between building a
+value and using it.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class RateConstrainedModel(DPModel):
         objective = lagrangian_objective(self._dp_loss, self.constraint_set.coefficients(noisy, multipliers),
                                          expected_batch_size, self.histogram.temperature)
         packed = tf.stack([tf.cast(y, tf.int32), partitions], axis=-1)
-        logs, release = self._dp_step(x, packed, mask, expected_batch_size, objective=objective)
+        logs, release = self.private_update(objective, data, targets=packed, return_release=True)
         # A step the privacy budget blocked releases nothing: λ and Γ keep their values.
         released = release > 0
         self.multipliers.assign(tf.where(released, updated, multipliers))
