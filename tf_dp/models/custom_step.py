@@ -14,7 +14,7 @@ recorded in the ledger like the built-in step:
 * ``private_update``: a ``train_step`` of one's own calls
   ``self.private_update(per_example_loss, data, trains=...)`` once per step: the per-example
   objective ``per_example_loss(x, y) -> [batch]`` is clipped, noised, averaged over L and
-  applied by the model's DP optimizer (``apply_private_gradients``), the step recorded in
+  applied by the model's DP optimizer (``optimizer.apply(ClippedSum(...))``), the step recorded in
   the ledger (the key guard and the step door are the train function's, as for the built-in
   step). Anything else the train step updates (a GAN's generator) must not read ``data``:
   it is then post-processing of released values and costs no ε.
@@ -36,6 +36,7 @@ from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.models import row_independence
 from tf_dp.models.losses import per_example_loss as compiled_per_example_loss
 from tf_dp.models.objective import INPUTS, TARGETS, WEIGHTS, PerExampleObjective, packed_targets
+from tf_dp.optimizers.clipped_sum import ClippedSum
 
 LATENT = "latent"  # private_update's per-example N(0, I) draws
 
@@ -291,10 +292,10 @@ class CustomTraining:
         sums, norms, mean_loss, nonfinite = _clipped_sums(self, model, inputs, mask,
                                                           optimizer.evaluation_points(variables))
         release = ledger.record_step(sigma, self.step_limit.allows(dp_step, sigma))
-        optimizer.apply_private_gradients(
-            sums, variables, expected_batch_size, _regularization_gradients(variables), dp_step=dp_step,
-            noise_multiplier=sigma, release=release, squared_norms=norms if wants_norms else None,
-            mask=tf.reshape(mask, [-1]) if wants_norms else None)
+        optimizer.apply(ClippedSum(
+            sums, expected_batch_size, dp_step, noise_multiplier=sigma, release=release,
+            public_gradients=_regularization_gradients(variables), squared_norms=norms if wants_norms else None,
+            mask=tf.reshape(mask, [-1]) if wants_norms else None), variables)
         logs = {}
         if not self._dp["private_logs"]:
             self.nonfinite_examples.assign_add(nonfinite)
