@@ -209,9 +209,10 @@ class _KeyMemo:
     """A model's attribute keys from its last key walk, reused for an object whose
     ``__dict__`` holds the same names bound to the same objects of the same types, holding the
     same elements (``_node``, ``_unchanged``); values whose key may change while they stay the
-    same object (objects keyed by their attributes, partials, proxies) are keyed again. The snapshots hold their values strongly, so an address is
-    never reused while compared; the memo lives on the model (``MEMO_ATTRIBUTE``, a plain
-    object no saver walks) and keeps only the objects of the latest walk."""
+    same object (objects keyed by their attributes, partials, proxies) are keyed again. The
+    snapshots hold their values strongly, so an address is never reused while compared; the
+    memo lives on the model (``MEMO_ATTRIBUTE``, a plain object no saver walks) and keeps only
+    the objects of the latest walk."""
 
     __slots__ = ("_last", "_next")
 

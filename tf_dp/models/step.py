@@ -104,8 +104,8 @@ class DPTrainStep:
             door = self._step_door
             door.require_phase(self.name)
             ledger, optimizer = self._ledger_of_plan(), self.optimizer
-            self.reopen_phase_if_ledger_replaced()  # a callback loaded another file since the last execution
-            optimizer.guard_noise_counter(int(ledger.steps.numpy()), ledger)
+            # A callback may have loaded another file since the last execution; one read of the count.
+            optimizer.guard_noise_counter(self.reopen_phase_if_ledger_replaced(), ledger)
             executing, door.executing = door.executing, True
             try:
                 logs = function(*args, **kwargs)
@@ -113,9 +113,10 @@ class DPTrainStep:
                 door.executing = executing
             logged = isinstance(logs, dict)
             steps = logs.pop(STEPS_LOG, None) if logged else None
-            optimizer.record_noise_counter(int(ledger.steps.numpy()) if steps is None else _logged_count(steps))
+            steps = int(ledger.steps.numpy()) if steps is None else _logged_count(steps)
+            optimizer.record_noise_counter(steps)
             if not door.one_execution:
-                self.ledger_after_execution()
+                self.ledger_after_execution(steps)
             refused = logs.pop(REFUSED_LOG, None) if logged else None
             if refused is None or np.any(np.asarray(refused) > 0):  # None: a train_step of its own
                 ledger.raise_if_refused()
