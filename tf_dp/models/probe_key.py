@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
 import types
 import weakref
 
@@ -149,12 +150,11 @@ def _attributes(obj, depth: int, memo: "_KeyMemo | None") -> tuple:
     attributes = getattr(obj, "__dict__", {})
     snapshot = None if memo is None else memo.reusable(obj, depth, attributes)
     if snapshot is None:
-        snapshot = tuple((name, _node(value, depth))
-                         for name, value in sorted(attributes.items()) if name not in _TRANSIENT)
+        snapshot = _Attributes(attributes, depth)
     if memo is not None:
         memo.keep(obj, depth, snapshot)
     items = []
-    for name, (value, _, key, _) in snapshot:
+    for name, value, key in zip(snapshot.names, snapshot.members.values, snapshot.members.keys):
         key = _value_key(value, depth, memo) if key is _UNSTABLE else key
         if key is not _SKIP:
             items.append((name, key))
@@ -166,43 +166,103 @@ _UNSTABLE = object()  # a value whose key must be computed again at every walk
 
 
 def _node(value, depth: int) -> tuple:
-    """(value, type, key, children): ``value``'s key as ``_value_key(value, depth)`` computes it
+    """(value, type, key, members): ``value``'s key as ``_value_key(value, depth)`` computes it
     when that is a function of the identities and types of the value and of the elements it
-    holds (``children``: their nodes, for lists, tuples and dicts), else ``_UNSTABLE``.
-    Scalars are immutable; functions, bound methods and classes are keyed by identity; layers,
-    variables, sets and other objects at depth 0 are skipped. Unstable: partials and
-    static/class methods (their contents can be rebound), objects keyed by their attributes
-    (depth > 0), proxies (their ``__class__`` is their target's), and containers of those."""
+    holds (``members``: a ``_Members`` of a list's, tuple's or dict's elements), else
+    ``_UNSTABLE``. Scalars are immutable; functions, bound methods and classes are keyed by
+    identity; layers, variables, sets and other objects at depth 0 are skipped. Unstable:
+    partials and static/class methods (their contents can be rebound), objects keyed by their
+    attributes (depth > 0), proxies (their ``__class__`` is their target's), and containers
+    of those."""
     kind = type(value)
     if getattr(value, "__class__", None) is not kind or isinstance(value, (functools.partial, staticmethod,
                                                                             classmethod)):
         return value, kind, _UNSTABLE, None
     if isinstance(value, _IDENTITY_KEYED):
         return value, kind, _value_key(value, depth, None), None
-    if isinstance(value, (list, tuple)):
-        children = tuple(_node(v, depth) for v in value)
-        stable = all(child[2] is not _UNSTABLE for child in children)
-    elif isinstance(value, dict):
-        children = tuple((k, _node(v, depth)) for k, v in value.items())
-        stable = all(child[2] is not _UNSTABLE and isinstance(k, _SCALARS) for k, child in children)
-    else:
+    if not isinstance(value, (list, tuple, dict)):
         return value, kind, (_UNSTABLE if depth > 0 else _SKIP), None
-    return (value, kind, _value_key(value, depth, None), children) if stable else (value, kind, _UNSTABLE, None)
+    members = _Members(_elements(value), depth)
+    if any(key is _UNSTABLE for key in members.keys):
+        return value, kind, _UNSTABLE, None
+    key = _value_key(value, depth, None)
+    if key is _SKIP and _SKIP in _leaf_keys(members):
+        members.nested = ()  # a layer (variable, ...) held directly skips the container, whatever else it holds
+    return value, kind, key, members
+
+
+def _leaf_keys(members: "_Members") -> list:
+    """The keys of the members that are not containers."""
+    containers = {index for index, _ in members.nested}
+    return [key for index, key in enumerate(members.keys) if index not in containers]
+
+
+def _elements(container) -> tuple:
+    """A list's or tuple's elements; a dict's keys, then its values."""
+    return (*container.keys(), *container.values()) if isinstance(container, dict) else tuple(container)
+
+
+class _Members:
+    """Values held by a container or an object, with their types and keys (``_node``),
+    compared by identity at C speed; ``nested`` are the members that are containers."""
+
+    __slots__ = ("values", "kinds", "keys", "nested")
+
+    def __init__(self, values: tuple, depth: int):
+        nodes = [_node(value, depth) for value in values]
+        self.values = values
+        self.kinds = tuple(map(type, values))
+        self.keys = tuple(node[2] for node in nodes)
+        self.nested = tuple((index, node) for index, node in enumerate(nodes) if node[3] is not None)
+
+    def unchanged(self, values: tuple) -> bool:
+        """Whether ``values`` are the same objects, of the same types, holding the same elements.
+
+        Args:
+          values: the values now, in the order they were taken.
+
+        Returns:
+          True if every member's key is unchanged.
+        """
+        return (len(values) == len(self.values) and all(map(operator.is_, values, self.values))
+                and all(map(operator.is_, map(type, values), self.kinds))
+                and all(_unchanged(node, values[index]) for index, node in self.nested))
 
 
 def _unchanged(node: tuple, now) -> bool:
     """Whether ``now`` is the value ``node`` was taken of, holding the same elements (by
     identity and type, recursively): then ``node``'s key is ``now``'s."""
-    value, kind, _, children = node
+    value, kind, _, members = node
     if now is not value or type(now) is not kind:
         return False
-    if children is None:
-        return True
-    if len(now) != len(children):
-        return False
-    if isinstance(now, dict):
-        return all(k is known and _unchanged(child, v) for (k, v), (known, child) in zip(now.items(), children))
-    return all(_unchanged(child, v) for v, child in zip(now, children))
+    return members is None or members.unchanged(_elements(now))
+
+
+class _Attributes:
+    """The configuring attributes of one object (its ``__dict__`` less ``_TRANSIENT``), sorted by name."""
+
+    __slots__ = ("names", "members")
+
+    def __init__(self, attributes: dict, depth: int):
+        self.names = tuple(sorted(name for name in attributes if name not in _TRANSIENT))
+        self.members = _Members(tuple(attributes[name] for name in self.names), depth)
+
+    def unchanged(self, attributes: dict) -> bool:
+        """Whether ``attributes`` (the object's ``__dict__`` now) hold the same names and values.
+
+        Args:
+          attributes: the object's ``__dict__``.
+
+        Returns:
+          True if no configuring attribute was added, removed, rebound or changed in place.
+        """
+        if len(attributes) - len(_TRANSIENT.intersection(attributes)) != len(self.names):
+            return False
+        try:
+            values = tuple(map(attributes.__getitem__, self.names))
+        except KeyError:
+            return False
+        return self.members.unchanged(values)
 
 
 class _KeyMemo:
@@ -236,8 +296,8 @@ class _KeyMemo:
         return memo
 
     def reusable(self, obj, depth: int, attributes: dict):
-        """The snapshot of ``obj``'s last walk if every non-transient attribute is still the
-        same object of the same type and none was added, else None.
+        """The snapshot of ``obj``'s last walk if its configuring attributes are unchanged
+        (``_Attributes.unchanged``), else None.
 
         Args:
           obj: the object whose attributes are keyed.
@@ -245,20 +305,14 @@ class _KeyMemo:
           attributes: its ``__dict__`` now.
 
         Returns:
-          The snapshot ((name, ``_node`` of its value), ...), or None.
+          The ``_Attributes`` snapshot, or None.
         """
         entry = self._last.get((id(obj), depth))
-        if entry is None or entry[0] is not obj:
+        if entry is None or entry[0] is not obj or not entry[1].unchanged(attributes):
             return None
-        snapshot = entry[1]
-        missing = object()
-        for name, node in snapshot:
-            if not _unchanged(node, attributes.get(name, missing)):
-                return None
-        configured = len(attributes) - sum(1 for name in _TRANSIENT if name in attributes)
-        return snapshot if configured == len(snapshot) else None
+        return entry[1]
 
-    def keep(self, obj, depth: int, snapshot: tuple) -> None:
+    def keep(self, obj, depth: int, snapshot: "_Attributes") -> None:
         """Keeps ``snapshot`` as ``obj``'s for the next walk.
 
         Args:
