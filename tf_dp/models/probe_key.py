@@ -30,6 +30,12 @@ of the key (they change every step): a layer that mixes rows only for some weigh
 outside the probe (module docstring of ``row_independence``, limits). Only ``train_on_batch``
 reuses verdicts by this key; ``fit`` probes on every call, and every trace of the step probes
 again (``row_independence.reprobe_on_trace``).
+
+The key is computed afresh on every ``train_on_batch`` call. ``_KeyMemo`` makes that cheap
+without trusting anything it did not look at: an object's attribute keys are reused only
+while its ``__dict__`` holds the same objects of the same types, containers element by
+element (compared by identity, the values held so an address cannot be reused); values
+whose key may change while they stay the same object are keyed again every time.
 """
 
 from __future__ import annotations
