@@ -20,7 +20,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from tf_dp.noise.gaussian import _philox_normal  # noqa: E402
+from tf_dp.noise.gaussian import _philox_normal, draw_seed  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("draws", 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10, "Normals per step.")
@@ -60,7 +60,7 @@ def main(argv):
     seed = keras.random.SeedGenerator(1)
     samplers = {
         "tf_dp (tf.random.stateless_normal, philox)": lambda step: _philox_normal(
-            [FLAGS.draws], KEY.read_value(), step, tf.float32),
+            [FLAGS.draws], draw_seed(KEY.read_value(), step, 0), tf.float32),
         "Box–Muller composed from Philox uniforms": box_muller,
         "philox (raw StatelessRandomNormalV2, key/counter)": stateless(1),
         "threefry (StatelessRandomNormalV2)": stateless(2),

@@ -7,6 +7,14 @@ and writes JSON.
     python benchmarks/step_time.py                      # MLP, CNN, transformer; batch 256, graph mode
     python benchmarks/step_time.py --jit=true --models=mlp,cnn
     python benchmarks/step_time.py --models=mlp --jit=false --batch_size=1024
+    python benchmarks/step_time.py --models=mlp --rounds=3 --path=train_on_batch,fit
+
+``--path=train_on_batch`` (default) times a loop of ``train_on_batch`` calls: every call pays
+the host checks around the step (row-probe key, phase, ledger reads). ``--path=fit`` times
+the steps of one ``fit`` (from the start of its second batch to the end of its last: the
+per-step host work of callbacks and of the train-function wrapper, not fit's start-up, which
+``benchmarks/fit_startup.py`` times); DP ``fit`` draws Poisson batches of expected size
+``batch_size`` from ``FIT_ROWS`` examples, plain ``fit`` takes fixed batches of that size.
 
 Columns: non-private Keras (1.0), the same step plus one Gaussian per parameter (the
 noise floor of DP-SGD), tf_dp DP-SGD with each engine, and tf_dp FIBER.
@@ -14,6 +22,7 @@ noise floor of DP-SGD), tf_dp DP-SGD with each engine, and tf_dp FIBER.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -37,8 +46,15 @@ flags.DEFINE_list("engines", ["ghost"], "Clipping engines to time (ghost, vector
 flags.DEFINE_integer("batch_size", 256, "Batch size.")
 flags.DEFINE_string("dtype_policy", "float32", "Keras dtype policy for all models (float32 or mixed_bfloat16; "
                     "tf_dp clips and adds noise in float32 either way).")
+flags.DEFINE_list("path", ["train_on_batch"], "How steps are taken: train_on_batch (a loop of calls), fit (the "
+                  "steps of one fit call, its start-up excluded).")
+flags.DEFINE_enum("clock", "wall", ["wall", "thread"], "wall: elapsed time (the figures the README reports); "
+                  "thread: CPU time of the calling thread (time.thread_time), i.e. the host's Python and "
+                  "dispatch work without the kernels TF runs on its pool threads — robust to a loaded machine.")
+flags.DEFINE_bool("fiber", True, "Also time tf_dp FIBER (false: its columns are nan).")
 flags.DEFINE_integer("rounds", 5, "Alternating rounds.")
 flags.DEFINE_integer("steps", 20, "Steps per timing.")
+flags.DEFINE_string("path_now", "train_on_batch", "Internal: the path being timed.")
 flags.DEFINE_string("output", "benchmarks/results/step_time.json", "Where to write the JSON results.")
 
 
@@ -94,15 +110,44 @@ class NoiseFloorModel(keras.Model):
                      tf.shape(g), seed=tf.stack([tf.constant(7, tf.int64), step * 64 + i]), alg="philox")
                  for i, g in enumerate(grads)]
         self.optimizer.apply(grads, self.trainable_variables)
-        return {}
+        return {"loss": loss}  # fit needs a log; the plain and DP steps log their loss too
+
+
+FIT_ROWS = 20  # fit's data: FIT_ROWS · batch_size examples
 
 
 def _ms_per_step(model, x, y, steps):
-    start = time.perf_counter()
+    if FLAGS.path_now == "fit":
+        return _ms_per_fit_step(model, x, y, steps)
+    start = _now()
     kwargs = {"batch_size": len(y)} if isinstance(model, tf_dp.DPModel) else {}
     for _ in range(steps):
         model.train_on_batch(x, y, **kwargs)
-    return (time.perf_counter() - start) / steps * 1000
+    return (_now() - start) / steps * 1000
+
+
+def _now() -> float:
+    return time.thread_time() if FLAGS.clock == "thread" else time.perf_counter()
+
+
+class _StepClock(keras.callbacks.Callback):
+    """Times from the start of the second batch to the end of the last."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 1:
+            self.start = _now()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.end = _now()
+
+
+def _ms_per_fit_step(model, x, y, steps):
+    rows = FIT_ROWS * FLAGS.batch_size
+    x, y = np.resize(x, (rows, *x.shape[1:])), np.resize(y, rows)
+    clock = _StepClock()
+    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1, steps_per_epoch=steps + 1, verbose=0,
+              callbacks=[clock])
+    return (clock.end - clock.start) / steps * 1000
 
 
 def measure(name, build, jit, engine):
@@ -119,16 +164,17 @@ def measure(name, build, jit, engine):
     plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=jit)
     floor = NoiseFloorModel(*build())
     floor.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=jit)
-    for model in (private, plain, floor, fiber):  # trace/compile outside the timings
+    models = (private, plain, floor, fiber) if FLAGS.fiber else (private, plain, floor)
+    for model in models:  # trace/compile outside the timings
         _ms_per_step(model, x, y, 3)
     dp_times, plain_times, floor_times, fiber_times = [], [], [], []
     for _ in range(FLAGS.rounds):
         dp_times.append(_ms_per_step(private, x, y, FLAGS.steps))
         plain_times.append(_ms_per_step(plain, x, y, FLAGS.steps))
         floor_times.append(_ms_per_step(floor, x, y, FLAGS.steps))
-        fiber_times.append(_ms_per_step(fiber, x, y, FLAGS.steps))
+        fiber_times.append(_ms_per_step(fiber, x, y, FLAGS.steps) if FLAGS.fiber else float("nan"))
     return {
-        "model": name, "jit_compile": jit, "engine": engine, "batch_size": FLAGS.batch_size,
+        "model": name, "path": FLAGS.path_now, "jit_compile": jit, "engine": engine, "batch_size": FLAGS.batch_size,
         "dtype_policy": FLAGS.dtype_policy,
         "plain_ms": statistics.median(plain_times), "floor_ms": statistics.median(floor_times),
         "dp_ms": statistics.median(dp_times), "fiber_ms": statistics.median(fiber_times),
@@ -143,20 +189,19 @@ def main(argv):
     keras.config.set_dtype_policy(FLAGS.dtype_policy)
     builders = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
     print(f"batch {FLAGS.batch_size}, {FLAGS.dtype_policy}, {os.cpu_count()} cores, median of {FLAGS.rounds} "
-          f"alternating rounds of {FLAGS.steps} steps\n", flush=True)
-    print("| model | XLA | engine | non-private ms | non-private + noise ms | DP-SGD ms | DP-SGD / non-private | "
-          "DP-SGD / noise floor | FIBER ms | FIBER / non-private |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          f"alternating rounds of {FLAGS.steps} steps, {FLAGS.clock} clock\n", flush=True)
+    print("| model | path | XLA | engine | non-private ms | non-private + noise ms | DP-SGD ms | DP-SGD / non-private "
+          "| DP-SGD / noise floor | FIBER ms | FIBER / non-private |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     results = []
-    for name in FLAGS.models:
-        for jit in FLAGS.jit:
-            for engine in FLAGS.engines:
-                r = measure(name, builders[name], jit == "true", engine)
-                results.append(r)
-                print(f"| {r['model']} | {r['jit_compile']} | {r['engine']} | {r['plain_ms']:.1f} | "
-                      f"{r['floor_ms']:.1f} | "
-                      f"{r['dp_ms']:.1f} | {r['ratio']:.2f}x | {r['ratio_to_floor']:.2f}x | {r['fiber_ms']:.1f} | "
-                      f"{r['fiber_ratio']:.2f}x |", flush=True)
+    for name, path, jit, engine in itertools.product(FLAGS.models, FLAGS.path, FLAGS.jit, FLAGS.engines):
+        FLAGS.path_now = path
+        r = measure(name, builders[name], jit == "true", engine)
+        results.append(r)
+        print(f"| {r['model']} | {path} | {r['jit_compile']} | {r['engine']} | {r['plain_ms']:.1f} | "
+              f"{r['floor_ms']:.1f} | "
+              f"{r['dp_ms']:.1f} | {r['ratio']:.2f}x | {r['ratio_to_floor']:.2f}x | {r['fiber_ms']:.1f} | "
+              f"{r['fiber_ratio']:.2f}x |", flush=True)
     os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
     with open(FLAGS.output, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=2)

@@ -63,10 +63,19 @@ def _check_adaptive_clip_split(model) -> None:
                                        expected_batch_size=float(phase.expected_batch_size))
 
 
-def ledger_state(model) -> tuple:
-    """(ledger object, its phase table, its step count): what a replaced ledger changes."""
+def ledger_state(model, steps: int | None = None) -> tuple:
+    """(ledger object, its phase table, its step count): what a replaced ledger changes.
+
+    Args:
+      model: the DP model.
+      steps: the ledger's step count if the caller has just read it (the step logs it), else
+        None: read here.
+
+    Returns:
+      The state, compared with ``==``.
+    """
     ledger = model.privacy_ledger
-    return id(ledger), ledger.phase_table.numpy().tobytes(), int(ledger.steps.numpy())
+    return id(ledger), ledger.phase_table.numpy().tobytes(), int(ledger.steps.numpy()) if steps is None else steps
 
 
 class PrivacyBudget(keras.callbacks.Callback):

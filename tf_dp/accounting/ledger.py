@@ -125,10 +125,11 @@ class PrivacyLedger(tf.Module):
         if scheme == "poisson" and parameter:
             scheme = _LEGACY_PARAMETERISED_SCHEME
         row = np.array([_scheme_code(scheme), sampling_rate, noise_multiplier, num_examples, expected_batch_size,
-                        int(self.steps.numpy()), float(parameter), 0.0], dtype=np.float64)
+                        0.0, float(parameter), 0.0], dtype=np.float64)
         rows = self._rows()
         if len(rows) and not new_segment and np.array_equal(rows[-1, _SETTINGS], row[_SETTINGS]):
-            return
+            return  # the settings alone decide: the step count is read only for a new row
+        row[_FIRST_STEP] = int(self.steps.numpy())
         row[_SEGMENT] = rows[:, _SEGMENT].max() + 1 if len(rows) else 1
         if len(rows) and rows[-1, _FIRST_STEP] == row[_FIRST_STEP]:  # the current phase took no step: replace it
             index = len(rows) - 1

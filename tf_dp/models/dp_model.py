@@ -111,9 +111,15 @@ class DPModelMixin(CustomTraining, DPTrainStep, DPFitting, PrivacyReporting):
             return super().fit(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
-        """DPFitting.train_on_batch; its phase closes when it returns (``StepDoor``)."""
-        with self._step_door.open_phase():
-            return super().train_on_batch(*args, **kwargs)
+        """DPFitting.train_on_batch; its phase closes when it returns (``StepDoor``). Called
+        inside a ``fit`` (from a callback), it notes the ledger for that fit's next execution
+        (``reopen_phase_if_ledger_replaced``), which its own single execution does not."""
+        inside_fit = self._step_door.phase_open
+        with self._step_door.open_phase(one_execution=True):
+            result = super().train_on_batch(*args, **kwargs)
+        if inside_fit:
+            self.ledger_after_execution()
+        return result
 
     def save(self, filepath, *args, **kwargs):
         """Keras ``save`` to ``.keras`` (which carries the privacy ledger); ``.h5`` is refused."""

@@ -393,20 +393,32 @@ class DPFitting:
             return
         self._open_phase(mechanism, new_segment=ledger_replaced and mechanism.accounted_whole)
 
-    def reopen_phase_if_ledger_replaced(self) -> None:
+    def reopen_phase_if_ledger_replaced(self) -> int:
         """Re-records the running phase when the ledger changed since the train function's
         last execution other than by its own steps: a callback that loads another file mid-fit
         (load_weights rolls the ledger back). The steps that follow are the running fit's (its
         q, N, L), and for a segmented scheme (BandMF) they are a new segment: the key and the
-        noise buffer restart while the sampler runs on (docs/algorithms.md §10.3, A.2)."""
+        noise buffer restart while the sampler runs on (docs/algorithms.md §10.3, A.2).
+
+        Returns:
+          The ledger's step count, read once here for the caller's noise-key guard.
+        """
         seen = getattr(self, "_ledger_after_execution", None)
-        if seen is not None and seen != ledger_state(self):
+        if seen is None:  # the phase was recorded since (or no execution yet): nothing to compare
+            return int(self.privacy_ledger.steps.numpy())
+        now = ledger_state(self)
+        if seen != now:
             self.reopen_phase(ledger_replaced=True)
             self._ledger_after_execution = ledger_state(self)
+        return now[2]
 
-    def ledger_after_execution(self) -> None:
-        """Notes the ledger as the train function left it (``reopen_phase_if_ledger_replaced``)."""
-        self._ledger_after_execution = ledger_state(self)
+    def ledger_after_execution(self, steps: Optional[int] = None) -> None:
+        """Notes the ledger as the train function left it (``reopen_phase_if_ledger_replaced``).
+
+        Args:
+          steps: its step count as the step logged it, or None to read it.
+        """
+        self._ledger_after_execution = ledger_state(self, steps)
 
     def _privacy_callbacks(self, scheme, planned_steps):
         """PrivacyReport, and with ``compile(target_epsilon=...)`` the calibrated σ and a

@@ -28,6 +28,7 @@ from tf_dp.optimizers import ClippedSum, DPOptimizer
 
 
 REFUSED_LOG = "tf_dp_refused_steps"  # popped from the logs before Keras or a callback sees them
+STEPS_LOG = "tf_dp_ledger_steps"  # the ledger's step count after the step (public), popped likewise
 
 
 class DPTrainStep:
@@ -73,9 +74,11 @@ class DPTrainStep:
             clipped_sums, expected_batch_size, dp_step, noise_multiplier=sigma, release=release,
             public_gradients=self._regularization_gradients(), squared_norms=squared_norms,
             mask=tf.reshape(mask, [-1]) if wants_norms else None), self.trainable_variables)
-        # The ledger's refusal count rides with the logs (public: a function of σ and the
-        # table); the host reads it from them, cheaper than a variable read per execution.
-        return {**self._step_logs(), **for_multi_worker_reduce({REFUSED_LOG: ledger.refused_steps()})}, release
+        # The ledger's refusal count and step count ride with the logs (public: functions of σ
+        # and the table); the host reads them from there, cheaper than variable reads per
+        # execution. Read after record_step: the trace orders reads of a variable after its writes.
+        host = {REFUSED_LOG: ledger.refused_steps(), STEPS_LOG: ledger.steps.read_value()}
+        return {**self._step_logs(), **for_multi_worker_reduce(host)}, release
 
     def make_train_function(self, force=False):
         """Keras' train function between two host checks.
@@ -86,8 +89,12 @@ class DPTrainStep:
         returned), and the noise key is guarded against the ledger's current count (re-keyed
         on a rollback, a seeded resume refused: no (key, step) pair draws noise twice); the
         step may trace or run only during the execution (``StepDoor``). After it, the steps
-        drawn are recorded and a step the ledger could not record (it released nothing) stops
-        training.
+        drawn are recorded — the ledger's count as the step logged it (``STEPS_LOG``), read
+        from the ledger only for a ``train_step`` of a model's own that does not log it — and
+        a step the ledger could not record (it released nothing) stops training. The ledger's
+        state after the execution, against which the next execution detects a ledger a
+        callback replaced, is noted only when another execution can follow in the phase (a
+        ``fit``; ``train_on_batch`` records its phase before its one execution).
         """
         super().make_train_function(force)
         function = self.train_function
@@ -98,17 +105,21 @@ class DPTrainStep:
             door = self._step_door
             door.require_phase(self.name)
             ledger, optimizer = self._ledger_of_plan(), self.optimizer
-            self.reopen_phase_if_ledger_replaced()  # a callback loaded another file since the last execution
-            optimizer.guard_noise_counter(int(ledger.steps.numpy()), ledger)
+            # A callback may have loaded another file since the last execution; one read of the count.
+            optimizer.guard_noise_counter(self.reopen_phase_if_ledger_replaced(), ledger)
             executing, door.executing = door.executing, True
             try:
                 with optimizer.drawing_window():
                     logs = function(*args, **kwargs)
             finally:
                 door.executing = executing
-            optimizer.record_noise_counter(int(ledger.steps.numpy()))
-            self.ledger_after_execution()
-            refused = logs.pop(REFUSED_LOG, None) if isinstance(logs, dict) else None
+            logged = isinstance(logs, dict)
+            steps = logs.pop(STEPS_LOG, None) if logged else None
+            steps = int(ledger.steps.numpy()) if steps is None else _logged_count(steps)
+            optimizer.record_noise_counter(steps)
+            if not door.one_execution:
+                self.ledger_after_execution(steps)
+            refused = logs.pop(REFUSED_LOG, None) if logged else None
             if refused is None or np.any(np.asarray(refused) > 0):  # None: a train_step of its own
                 ledger.raise_if_refused()
             return logs
@@ -317,20 +328,26 @@ class StepDoor:
     before anything is released (docs/algorithms.md A.2).
     """
 
-    __slots__ = ("phase_open", "executing")
+    __slots__ = ("phase_open", "executing", "one_execution")
 
     def __init__(self):
         self.phase_open = False
         self.executing = False
+        self.one_execution = False
 
     @contextlib.contextmanager
-    def open_phase(self):
-        """Holds the phase open for the block (one ``fit``/``train_on_batch`` call); nested calls restore."""
-        previous, self.phase_open = self.phase_open, True
+    def open_phase(self, one_execution: bool = False):
+        """Holds the phase open for the block (one ``fit``/``train_on_batch`` call); nested calls restore.
+
+        Args:
+          one_execution: the phase runs the train function once (``train_on_batch``).
+        """
+        previous = self.phase_open, self.one_execution
+        self.phase_open, self.one_execution = True, one_execution
         try:
             yield
         finally:
-            self.phase_open = previous
+            self.phase_open, self.one_execution = previous
 
     def require_phase(self, model_name: str) -> None:
         """Raises unless a ``fit``/``train_on_batch`` call holds a phase open (the train function's check)."""
@@ -341,6 +358,11 @@ class StepDoor:
         """Raises unless the train function of an open phase is executing (the step's check)."""
         if not self.executing:
             raise RuntimeError(_outside_phase_message(model_name, "a DP step (model.train_step) was run"))
+
+
+def _logged_count(value) -> int:
+    """A count the step logged (a scalar, or [1] per worker under multi-worker reduction)."""
+    return int(np.asarray(value).reshape(-1)[0])
 
 
 def _outside_phase_message(model_name: str, what: str) -> str:
