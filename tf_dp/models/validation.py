@@ -172,7 +172,7 @@ def fix(model):
             replaced.append(layer.name)
             return GroupNormalizationForBatchNorm(groups=_group_count(channels), axis=axis,
                                                   name=f"{layer.name}_group_norm")
-        new = layer.__class__.from_config(layer.get_config())
+        new = _copy_layer(layer)
         copies.append((layer, new))
         return new
 
@@ -187,6 +187,18 @@ def fix(model):
         raise ValueError("tf_dp.fix replaces BatchNormalization only; it cannot repair:\n  - "
                          + "\n  - ".join(remaining))
     return copy
+
+
+def _copy_layer(layer):
+    """A fresh copy of ``layer`` from its config; a ``Lambda`` keeps its function objects
+    (a plain or local function, or a Python lambda, which its config names but Keras cannot
+    look up again without registration or unsafe deserialization) as plain Keras runs it."""
+    if type(layer) is keras.layers.Lambda:
+        config = {key: value for key, value in layer.get_config().items()
+                  if key not in ("function", "output_shape", "mask", "arguments")}
+        return keras.layers.Lambda(layer.function, output_shape=layer._output_shape, mask=layer.mask,
+                                   arguments=dict(layer.arguments), **config)
+    return layer.__class__.from_config(layer.get_config())
 
 
 def _unreachable_batch_norms(model, path: str = ""):
