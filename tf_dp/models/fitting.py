@@ -29,6 +29,7 @@ from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset
 from tf_dp.models.losses import without_unused_targets
 from tf_dp.models.row_independence import DONOR_SEARCH, GUARD_ROWS, check_rows_independent
 from tf_dp.models.step import DPTrainStep, sample_weight_extras
+from tf_dp.models.validation import refuse_lookups_rejecting_padding
 from tf_dp.optimizers import DPOptimizer
 from tf_dp.sampling import seed_guard
 from tf_dp.sampling.loader import augment_examples
@@ -150,6 +151,7 @@ class DPFitting:
             validation_data = tuple(tf.nest.map_structure(keras_array, part) for part in validation_data)
         num_examples = len(source)
         refuse_batched_records(source, self, augment)
+        refuse_lookups_rejecting_padding(self)
         plan = self._weights_plan(sample_weight, class_weight, num_examples).replace(
             per_example_extras={name: column[:num_examples] for name, column in extras.items()} or None)
         x, y = source.head(GUARD_ROWS + DONOR_SEARCH)  # what the guard and the build read: never all of the data
