@@ -255,3 +255,15 @@ def test_overlapping_windows_warn_that_the_privacy_unit_is_a_window():
     net.compile(optimizer=_dp_sgd(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.warns(UserWarning, match=r"timeseries_dataset_from_array's(?s:.*)privacy unit is one window"):
         net.fit(dataset, batch_size=4, epochs=1, verbose=0)
+
+
+def test_a_refused_utility_pipeline_is_named_with_what_to_pass_instead(tmp_path):
+    _files(str(tmp_path))
+    dataset = keras.utils.image_dataset_from_directory(os.path.join(str(tmp_path), "image"), image_size=(4, 4),
+                                                       batch_size=2, seed=1, verbose=False)
+    net = _flat_model((4, 4, 3))
+    net.compile(optimizer=_dp_sgd(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"(?s)map\(\).*whole batches.*image_dataset_from_directory's: call it with "
+                                         r"batch_size=None"):
+        net.fit(dataset.map(lambda x, y: (tf.reverse(x, [0]), y)), epochs=1, verbose=0)  # a map over whole batches
+    assert int(net.privacy_ledger.steps.numpy()) == 0

@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.sampling.dataset_graph import (ALLOWED_ON_BATCHES, ALLOWED_PER_EXAMPLE, dataset_ends_in_batch,
-                                         refused_operations)
+                                         keras_utility_note, refused_operations)
 from tf_dp.sampling.loader import augmented_spec, poisson_loader
 from tf_dp.sampling.sources import ArraySource, ExampleSource, num_rows  # noqa: F401 (num_rows: fit's)
 
