@@ -728,8 +728,13 @@ def _fixed_batch_size(model, x, largest: int = GUARD_ROWS + DONOR_SEARCH) -> Opt
     static = {size for size in symbolic if size is not None}
     if len(static) == 1:
         return static.pop()
-    runs = [size for size in range(1, min(largest, num_rows(x)) + 1) if _runs_on(model, _take(x, np.arange(size)))]
-    return runs[0] if len(runs) == 1 else None
+    runs = []
+    for size in range(1, min(largest, num_rows(x)) + 1):
+        if _runs_on(model, _take(x, np.arange(size))):
+            runs.append(size)
+            if len(runs) > 1:  # two sizes run: the batch size is not fixed (a model that mixes rows, say)
+                return None
+    return runs[0] if runs else None
 
 
 def _runs_on(model, x) -> bool:
