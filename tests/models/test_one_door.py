@@ -67,6 +67,11 @@ ALLOWED = {
     "repeat(1)": (lambda d: rows().repeat(1), False),
     "zip of bare sources": (lambda d: tf.data.Dataset.zip((tf.data.Dataset.from_tensor_slices(arrays()[0]),
                                                            tf.data.Dataset.from_tensor_slices(arrays()[1]))), False),
+    "enumerate of a mapped dataset (row i with i)": (lambda d: rows().map(per_example).enumerate(), False),
+    "keras timeseries_dataset_from_array, batched (issue 33)": (lambda d: keras.utils.timeseries_dataset_from_array(
+        arrays()[0], arrays()[1], sequence_length=4, batch_size=L), True),
+    "keras timeseries_dataset_from_array, windows (issue 33)": (lambda d: keras.utils.timeseries_dataset_from_array(
+        arrays()[0], arrays()[1], sequence_length=4, batch_size=None, shuffle=True, seed=1), False),
     "TFRecordDataset of distinct files": (lambda d: tf.data.TFRecordDataset(tfrecord_files(d)).map(
         lambda s: tf.strings.length(s)), False),
     "TextLineDataset": (lambda d: tf.data.TextLineDataset(tfrecord_files(d)), False),
@@ -102,7 +107,12 @@ REFUSED = {
                                                               rows().skip(1).map(lambda a, b: b))), False, r"zip\(\)"),
     "zip of batches": (lambda d: tf.data.Dataset.zip((rows().map(lambda a, b: a).batch(L),
                                                       rows().map(lambda a, b: b).batch(L))), True, r"zip\(\)"),
-    "enumerate of a mapped dataset": (lambda d: rows().map(per_example).enumerate(), False, r"zip\(\)"),
+    "zip of a non-deterministic map": (lambda d: tf.data.Dataset.zip((rows().map(
+        per_example, num_parallel_calls=2, deterministic=False), tf.data.Dataset.range(N))), False, r"zip\(\)"),
+    "zip of a repeated source": (lambda d: tf.data.Dataset.zip((tf.data.Dataset.range(N), rows().repeat())), False,
+                                 r"zip\(\)"),
+    "zip with a shuffled branch": (lambda d: tf.data.Dataset.zip((tf.data.Dataset.range(N), rows().shuffle(N))),
+                                   False, r"zip\(\)"),
     "map after batch": (lambda d: rows().batch(L).map(per_example), True, r"map\(\).*whole batches"),
     "filter after batch": (lambda d: rows().batch(L).filter(lambda a, b: True), True, r"filter\(\).*whole batches"),
     "map of pre-batched slices": (lambda d: tf.data.Dataset.from_tensor_slices(
@@ -138,8 +148,6 @@ REFUSED = {
              False, r"Dataset\.load\(\)"),
     "sparse_batch": (lambda d: tf.data.Dataset.range(4).map(lambda i: tf.SparseTensor([[0]], [i], [3])).sparse_batch(
         2, [3]), True, r"sparse_batch\(\)"),
-    "keras timeseries_dataset_from_array (issue 33)": (lambda d: keras.utils.timeseries_dataset_from_array(
-        arrays()[0], arrays()[1], sequence_length=4, batch_size=L), True, r"zip\(\)"),
     "shuffle_and_repeat": (lambda d: rows().apply(tf.data.experimental.shuffle_and_repeat(N)), False,
                            r"shuffle_and_repeat\(\)"),
 }
@@ -333,7 +341,9 @@ def test_an_accepted_batched_pipeline_moves_the_sum_by_at_most_c_per_person(jit_
     assert 0.99 * CLIP <= moved <= CLIP * (1 + 1e-4)
 
 
-GRAPH_ONLY = {"repeat(1)", "TFRecordDataset of distinct files", "TextLineDataset", "FixedLengthRecordDataset"}
+GRAPH_ONLY = {"repeat(1)", "TFRecordDataset of distinct files", "TextLineDataset", "FixedLengthRecordDataset",
+              "enumerate of a mapped dataset (row i with i)", "keras timeseries_dataset_from_array, batched (issue 33)",
+              "keras timeseries_dataset_from_array, windows (issue 33)"}
 
 
 @pytest.mark.parametrize("name", sorted(set(ALLOWED) - GRAPH_ONLY))

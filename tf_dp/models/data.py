@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.sampling.dataset_graph import (ALLOWED_ON_BATCHES, ALLOWED_PER_EXAMPLE, dataset_ends_in_batch,
-                                         refused_operations)
+                                         keras_utility_note, refused_operations)
 from tf_dp.sampling.loader import augmented_spec, poisson_loader
 from tf_dp.sampling.sources import ArraySource, ExampleSource, num_rows  # noqa: F401 (num_rows: fit's)
 
@@ -68,7 +68,7 @@ def refuse_duplicating_batches(dataset: tf.data.Dataset) -> None:
             "moves the noisy sum by more than C, while each step is accounted at sensitivity C). Fix: do the work "
             "per example before .batch() (augmentation in a per-example map, or inside the model), repeat whole "
             "batches (ds.batch(L).repeat()), or pass arrays / the UNBATCHED dataset with batch_size=... for Poisson "
-            "sampling (fit's `epochs` repeats the data).")
+            "sampling (fit's `epochs` repeats the data)." + keras_utility_note(dataset, batched=True))
 
 
 def _x_spec(spec):

@@ -386,5 +386,14 @@ def make_private(model: keras.Model) -> DPModel:
         )
     # The ledger belongs to the weights: a second make_private of the same model continues
     # its record (and its noise counter) instead of starting a fresh one at step 0.
-    return DPModel(model.inputs if len(model.inputs) > 1 else model.inputs[0],
-                   model.outputs if len(model.outputs) > 1 else model.outputs[0], name=f"{model.name}_private")
+    return DPModel(_structure(model, "inputs"), _structure(model, "outputs"), name=f"{model.name}_private")
+
+
+def _structure(model: Functional, which: str):
+    """The model's inputs or outputs as it was built with them: a dict stays a dict (so
+    ``model(x)`` / ``predict`` of the private model return what the original returns)."""
+    struct = getattr(model, f"_{which}_struct", None)
+    if isinstance(struct, dict):
+        return struct
+    flat = getattr(model, which)
+    return flat if len(flat) > 1 else flat[0]

@@ -30,8 +30,10 @@ from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset
 from tf_dp.models.losses import without_unused_targets
 from tf_dp.models.row_independence import DONOR_SEARCH, GUARD_ROWS, check_rows_independent
 from tf_dp.models.step import DPTrainStep, sample_weight_extras
+from tf_dp.models.validation import refuse_lookups_rejecting_padding
 from tf_dp.optimizers import DPOptimizer
 from tf_dp.sampling import seed_guard
+from tf_dp.sampling.dataset_graph import TIMESERIES, keras_utility, keras_utility_note
 from tf_dp.sampling.loader import augment_examples
 from tf_dp.sampling.schemes import scheme_for_fit
 from tf_dp.sampling.sources import MARKER, ArraySource, SourceError, example_source
@@ -138,6 +140,7 @@ class DPFitting:
             with self.use_plan(self._weights_plan(sample_weight, class_weight, where="dataset")):
                 return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data,
                                                initial_epoch, steps_per_epoch, **kwargs)
+        _warn_about_windows(x)
         source = self._training_source(x, y, transform)
         source, user_ids = user_ids_for_fit(x, source, user_ids)  # ids travel with their rows (a feature's key)
         all_rows = len(source)
@@ -151,6 +154,7 @@ class DPFitting:
             validation_data = tuple(tf.nest.map_structure(keras_array, part) for part in validation_data)
         num_examples = len(source)
         refuse_batched_records(source, self, augment)
+        refuse_lookups_rejecting_padding(self)
         plan = self._weights_plan(sample_weight, class_weight, num_examples).replace(
             per_example_extras={name: column[:num_examples] for name, column in extras.items()} or None)
         x, y = source.head(GUARD_ROWS + DONOR_SEARCH)  # what the guard and the build read: never all of the data
@@ -263,7 +267,8 @@ class DPFitting:
             "tf_dp: fit() received a BATCHED dataset, which cannot be Poisson-resampled. Its steps are "
             "accounted as full Gaussian mechanisms without sampling amplification (much larger ε), and each "
             f"noisy sum is divided by the declared batch size {declared}. "
-            "Pass arrays or an unbatched dataset with batch_size=... for Poisson sampling.",
+            "Pass arrays or an unbatched dataset with batch_size=... for Poisson sampling."
+            + keras_utility_note(dataset, batched=True),
             stacklevel=3,
         )
         if self._dp["target_epsilon"] is not None:
@@ -464,6 +469,12 @@ class DPFitting:
         DiSK/FIBER) is created before the train step is traced."""
         if not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
+
+
+def _warn_about_windows(x) -> None:
+    """Warns that the privacy unit is a window when ``x`` is timeseries_dataset_from_array's."""
+    if isinstance(x, tf.data.Dataset) and keras_utility(x) == TIMESERIES:
+        warnings.warn("tf_dp:" + keras_utility_note(x, batched=False), stacklevel=3)
 
 
 def declared_batch_size(dataset: tf.data.Dataset, batch_size: Optional[int]) -> int:

@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import warnings
 import weakref
 from typing import Callable, Optional
@@ -125,12 +126,13 @@ def check_rows_independent(model, per_example_loss: Optional[Callable], x, y=Non
     head = _probed_head(per_example_loss, x, y, rows)
     if head is None:  # fewer than 2 rows: nothing to compare
         return
-    if not model.built:
-        model(_take(head, np.arange(min(3, num_rows(head[0]))))[0], training=False)
-    _latest[model] = _ProbedRows(head, rows, key_contents)  # what a re-traced step is probed on
-    if not key_contents and _verdict_key(model, per_example_loss, _latest[model]) in _checked.get(model, []):
-        return
-    _probe(model, per_example_loss, _latest[model])
+    with _refusing_a_fixed_batch_size(model, head):
+        if not model.built:
+            model(_take(head, np.arange(min(3, num_rows(head[0]))))[0], training=False)
+        _latest[model] = _ProbedRows(head, rows, key_contents)  # what a re-traced step is probed on
+        if not key_contents and _verdict_key(model, per_example_loss, _latest[model]) in _checked.get(model, []):
+            return
+        _probe(model, per_example_loss, _latest[model])
 
 
 def reprobe_on_trace(model, per_example_loss: Optional[Callable]) -> None:
@@ -693,3 +695,61 @@ def _padding_row(column):
     if column.dtype == object or column.dtype.kind in "SU":
         return np.full(column[:1].shape, "" if column.dtype.kind == "U" else b"", dtype=column.dtype)
     return np.zeros_like(column[:1])
+
+
+@contextlib.contextmanager
+def _refusing_a_fixed_batch_size(model, head):
+    """Re-raises an error of the probes' forward passes as a refusal naming the model's
+    fixed batch size, when the model runs on one batch size only (e.g. keras.io's switch
+    transformer reshapes to a hard-coded batch_size): DP batches vary in size. Any other
+    error propagates unchanged."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - re-raised as is unless the batch size is fixed
+        fixed = _fixed_batch_size(model, head[0])
+        if fixed is None:
+            raise
+        summary = _error_summary(error)
+        raise ValueError(
+            f"{model.name} runs only on batches of exactly {fixed} examples: its graph fixes the batch size (e.g. "
+            f"a reshape to a hard-coded batch_size, or keras.Input(batch_size={fixed})). DP training cannot keep "
+            f"it: Poisson batches have a random size, padded to a physical width, and tf_dp's row-independence "
+            f"check runs the model on batches of {GUARD_ROWS} and of other sizes (it failed: {summary}). Fix: write "
+            "the model for any batch size — take it from the tensor (keras.ops.shape(x)[0]) or reshape with -1 "
+            "(keras.ops.reshape(x, (-1, embed_dim)) rather than (batch_size * num_tokens, embed_dim)) — and give "
+            "keras.Input no batch_size.") from error
+
+
+def _fixed_batch_size(model, x, largest: int = GUARD_ROWS + DONOR_SEARCH) -> Optional[int]:
+    """The one batch size ``model`` runs on: the static batch dimension of its symbolic
+    inputs or outputs, else the only size in 1..``largest`` at which it runs on rows of
+    ``x``; None if there is none (or several)."""
+    symbolic = [tensor.shape[0] for tensor in tf.nest.flatten([getattr(model, "inputs", None) or [],
+                                                                getattr(model, "outputs", None) or []])
+                if getattr(tensor, "shape", None) is not None and len(tensor.shape)]
+    static = {size for size in symbolic if size is not None}
+    if len(static) == 1:
+        return static.pop()
+    runs = []
+    for size in range(1, min(largest, num_rows(x)) + 1):
+        if _runs_on(model, _take(x, np.arange(size))):
+            runs.append(size)
+            if len(runs) > 1:  # two sizes run: the batch size is not fixed (a model that mixes rows, say)
+                return None
+    return runs[0] if runs else None
+
+
+def _runs_on(model, x) -> bool:
+    try:
+        model(x, training=False)
+    except Exception:  # noqa: BLE001 - any failure means "not on this batch size"
+        return False
+    return True
+
+
+def _error_summary(error: Exception) -> str:
+    """The first line of ``error`` that says what failed, without TF's markup."""
+    text = re.sub(r"\x1b\[[0-9;]*m|\{\{[^}]*\}\}|\s*\[Op:[^\]]*\]", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return next((line for line in lines if "shape" in line.lower()), lines[0] if lines else type(error).__name__)
+

@@ -100,6 +100,44 @@ def check_model(model) -> None:
         raise ValueError("This model cannot be trained with differential privacy:\n  - " + "\n  - ".join(problems))
 
 
+def refuse_lookups_rejecting_padding(model) -> None:
+    """Raises ValueError naming every StringLookup/IntegerLookup of ``model`` (inside a
+    FeatureSpace too) that has ``num_oov_indices=0`` and no token for the padding value
+    (an empty string, or 0). Poisson batches are padded to a fixed width with such rows
+    (masked out: they never count), and such a lookup rejects them with a Keras error at
+    the first step; this says so before any step, with the fix.
+
+    Args:
+      model: the Keras model about to be trained on padded Poisson batches.
+    """
+    strict = [f"{where} ({type(layer).__name__}, num_oov_indices=0, no {pad!r} in its vocabulary)"
+              for layer, where, pad in _lookups_rejecting_padding(model)]
+    if strict:
+        raise ValueError(
+            "tf_dp pads each Poisson batch to a fixed width with masked-out rows (empty strings, zeros; they never "
+            "count in the gradient, the loss or the metrics), and these lookups reject such rows:\n  - "
+            + "\n  - ".join(strict) + "\nFix: num_oov_indices=1 (e.g. FeatureSpace.string_categorical("
+            "num_oov_indices=1)): only padding and values outside the vocabulary then map to the OOV index; or "
+            "give the lookup mask_token='' (0 for IntegerLookup) so that padding has a token of its own.")
+
+
+def _lookups_rejecting_padding(model):
+    """(lookup, where it is, the padding value it rejects) for every strict lookup."""
+    features = {}
+    for layer, _ in _nested_layers(model):
+        if isinstance(layer, keras.utils.FeatureSpace):
+            features.update({id(p): f"feature {name!r} of FeatureSpace {layer.name}"
+                             for name, p in getattr(layer, "preprocessors", {}).items()})
+    for layer, path in _nested_layers(model):
+        if not isinstance(layer, (keras.layers.StringLookup, keras.layers.IntegerLookup)):
+            continue
+        if getattr(layer, "num_oov_indices", 1) != 0 or getattr(layer, "invert", False):
+            continue
+        pad = "" if isinstance(layer, keras.layers.StringLookup) else 0
+        if pad not in {token.decode() if isinstance(token, bytes) else token for token in layer.get_vocabulary()}:
+            yield layer, features.get(id(layer), f"{layer.name}{f' in {path}' if path else ''}"), pad
+
+
 @keras.saving.register_keras_serializable(package="tf_dp")
 class GroupNormalizationForBatchNorm(keras.layers.GroupNormalization):
     """GroupNormalization taking BatchNormalization's call arguments (mask, training), so
@@ -172,7 +210,7 @@ def fix(model):
             replaced.append(layer.name)
             return GroupNormalizationForBatchNorm(groups=_group_count(channels), axis=axis,
                                                   name=f"{layer.name}_group_norm")
-        new = layer.__class__.from_config(layer.get_config())
+        new = _copy_layer(layer)
         copies.append((layer, new))
         return new
 
@@ -187,6 +225,18 @@ def fix(model):
         raise ValueError("tf_dp.fix replaces BatchNormalization only; it cannot repair:\n  - "
                          + "\n  - ".join(remaining))
     return copy
+
+
+def _copy_layer(layer):
+    """A fresh copy of ``layer`` from its config; a ``Lambda`` keeps its function objects
+    (a plain or local function, or a Python lambda, which its config names but Keras cannot
+    look up again without registration or unsafe deserialization) as plain Keras runs it."""
+    if type(layer) is keras.layers.Lambda:
+        config = {key: value for key, value in layer.get_config().items()
+                  if key not in ("function", "output_shape", "mask", "arguments")}
+        return keras.layers.Lambda(layer.function, output_shape=layer._output_shape, mask=layer.mask,
+                                   arguments=dict(layer.arguments), **config)
+    return layer.__class__.from_config(layer.get_config())
 
 
 def _unreachable_batch_norms(model, path: str = ""):

@@ -11,7 +11,10 @@ example (docs/algorithms.md §1.4), and names every other operation it finds:
 * per example (an unbatched dataset read as a source of N examples, and the part of a batched
   pipeline before its last ``batch()``): ``from_tensor_slices``, ``from_tensors``, ``range``,
   ``TFRecordDataset``/``TextLineDataset``/``FixedLengthRecordDataset`` of distinct file names, a
-  ``zip`` of bare such sources (row i with row i), ``map``, ``filter``, ``shuffle``, ``take``,
+  ``zip`` of such sources taken row by row (each branch a source seen through order-keeping ops and
+  deterministic maps, or one tensor repeated forever, ``from_tensors(c).repeat()``, which pairs
+  ``c`` with every row as a map capturing ``c`` would: the shape of
+  ``keras.utils.timeseries_dataset_from_array``), ``map``, ``filter``, ``shuffle``, ``take``,
   ``skip``, ``shard``, ``cache``, ``prefetch``, ``ignore_errors``, ``with_options``,
   ``assert_cardinality`` (``repeat(1)`` too);
 * on whole batches (after the last ``batch``/``padded_batch``/``map_and_batch``, or every op of a
@@ -81,7 +84,8 @@ PYTHON_CLASSES = {  # the fast pass: tf.data's Python classes of the same ops (a
 }
 
 ALLOWED_PER_EXAMPLE = ("from_tensor_slices, from_tensors, range, TFRecordDataset/TextLineDataset/"
-                       "FixedLengthRecordDataset of distinct files, a zip of such bare sources, map, filter, shuffle, "
+                       "FixedLengthRecordDataset of distinct files, a zip of such sources taken row by row, map, "
+                       "filter, shuffle, "
                        "take, skip, shard, cache, prefetch, ignore_errors, with_options, assert_cardinality")
 ALLOWED_ON_BATCHES = ("prefetch, cache, repeat, shuffle, take, skip, shard, ignore_errors, with_options, "
                       "assert_cardinality")
@@ -111,6 +115,7 @@ class _Graph:
         self.outputs = [self.inputs(node) for node in graph_def.node if node.op == "_Retval"]
         self.outputs = [node for inputs in self.outputs for node in inputs]
         self.library = {function.signature.name: function for function in graph_def.library.function}
+        self.deterministic = True  # the dataset's options: maps keep their order unless set False
 
     def inputs(self, node, datasets_only: bool = True) -> list:
         names = (name.split(":")[0] for name in node.input if not name.startswith("^"))
@@ -188,6 +193,7 @@ def refused_by_graph(dataset: tf.data.Dataset, batched: bool) -> list:
     graph = read_graph(dataset)
     if graph is None or not graph.outputs:
         return ["a pipeline whose graph tf.data cannot serialize (none of its operations can be checked)"]
+    graph.deterministic = dataset.options().deterministic is not False
     found, seen = [], set()
     for output in graph.outputs:
         found += _graph_refusals(graph, output, batched, seen)
@@ -276,9 +282,12 @@ def _graph_refusals(graph: _Graph, node, on_batches: Optional[bool], seen: set) 
     problem = _problem(kind, on_batches)
     if kind == REPEATS and problem and _repeat_count(graph, node) in (0, 1):
         problem = None
-    if kind == ZIPS and not problem and not all(_bare_source(graph, branch) for branch in inputs):
-        problem = ("of branches that are not bare sources (a map, filter or shuffle before the zip can pair row i "
-                   "with row j: zip the sources first, then map)")
+    if kind == ZIPS and not problem:
+        if _row_wise(graph, node) != ROW:
+            problem = ("of branches that are not sources taken row by row (a filter, shuffle or non-deterministic "
+                       "map before the zip can pair row i with row j: zip the sources first, then map)")
+        else:  # a constant broadcast to every row (from_tensors(c).repeat()) is read like a captured tensor
+            inputs = [branch for branch in inputs if _row_wise(graph, branch) != CONSTANT]
     if kind == PER_ELEMENT and not problem and _carries_state(graph, node):
         problem = ("whose function writes a tf.Variable from the element it reads (state carried from one element "
                    "into the next mixes examples: compute each element from itself alone)")
@@ -360,13 +369,42 @@ def _repeat_count(graph: _Graph, node) -> Optional[int]:
     return None if count is None else int(count)
 
 
-def _bare_source(graph: _Graph, node) -> bool:
-    """A source, seen through ops that keep every element in order: zipped, row i meets row i."""
-    kind = GRAPH_OPS.get(_base(node.op))
-    upstream = graph.inputs(node)
+ROW, CONSTANT = "row", "constant"
+
+
+def _row_wise(graph: _Graph, node) -> Optional[str]:
+    """ROW if element i of ``node`` is computed from row i of its sources alone (sources seen
+    through ops that keep every element in order, deterministic maps that carry no state, and
+    zips of such branches with at least one ROW branch); CONSTANT for one tensor repeated
+    forever (``from_tensors(c).repeat()``, which a zip pairs with every row, as a map would
+    capture ``c``: keras.utils.timeseries_dataset_from_array's shape); else None."""
+    kind, upstream = GRAPH_OPS.get(_base(node.op)), graph.inputs(node)
     if kind == SOURCE:
+        return ROW
+    if kind == REPEATS and len(upstream) == 1 and _repeat_count(graph, node) == -1:
+        return CONSTANT if _single_tensor(graph, upstream[0]) else None
+    if kind == ZIPS:
+        branches = [_row_wise(graph, branch) for branch in upstream]
+        return ROW if ROW in branches and all(b in (ROW, CONSTANT) for b in branches) else None
+    ordered_map = _base(node.op) in ("MapDataset", "ParallelMapDataset") and _deterministic(graph, node) \
+        and not _carries_state(graph, node)
+    if (kind == KEEPS or ordered_map) and len(upstream) == 1:
+        return _row_wise(graph, upstream[0])
+    return None
+
+
+def _single_tensor(graph: _Graph, node) -> bool:
+    """``from_tensors(c)`` (one element), seen through ops that keep it."""
+    kind, upstream = GRAPH_OPS.get(_base(node.op)), graph.inputs(node)
+    if _base(node.op) == "TensorDataset":
         return True
-    return kind == KEEPS and len(upstream) == 1 and _bare_source(graph, upstream[0])
+    return kind == KEEPS and len(upstream) == 1 and _single_tensor(graph, upstream[0])
+
+
+def _deterministic(graph: _Graph, node) -> bool:
+    """A map keeps its elements' order: not ``deterministic=False``, nor by the dataset's options."""
+    setting = node.attr["deterministic"].s.decode() if "deterministic" in node.attr else "default"
+    return setting == "true" or (setting == "default" and graph.deterministic)
 
 
 def _reads_files(graph: _Graph, node) -> bool:
@@ -400,6 +438,91 @@ def _file_names_problem(graph: _Graph, node) -> Optional[str]:
 def _generator(graph: _Graph, node) -> bool:
     function = graph.function_of(node)
     return function is not None and any(_base(n.op) == "GeneratorDataset" for n in function.node_def)
+
+
+# ---------------------------------------------------------------------- Keras' dataset utilities
+TIMESERIES = "keras.utils.timeseries_dataset_from_array"
+_DECODERS = {  # an op of a map's function -> the Keras utility whose pipeline reads files with it
+    "DecodeWav": "keras.utils.audio_dataset_from_directory",
+    **{op: "keras.utils.image_dataset_from_directory"
+       for op in ("DecodeImage", "DecodePng", "DecodeJpeg", "DecodeBmp", "DecodeGif")},
+}
+
+
+def keras_utility(dataset: tf.data.Dataset) -> Optional[str]:
+    """The Keras dataset utility whose pipeline shape ``dataset`` has, or None: windows read
+    from one array (``timeseries_dataset_from_array``: a range zipped with one tensor repeated),
+    or files read from a list of paths (``audio_``/``image_``/``text_dataset_from_directory``,
+    told apart by the decoder their map applies). Read from the Python dataset objects (no
+    serialization). For messages only: no verdict depends on it.
+
+    Args:
+      dataset: a tf.data pipeline.
+
+    Returns:
+      The utility's name (e.g. "keras.utils.image_dataset_from_directory"), or None.
+    """
+    nodes, stack, seen = [], [dataset], set()
+    while stack:
+        node = stack.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            nodes.append(node)
+            try:
+                stack.extend(node._inputs())
+            except (NotImplementedError, AttributeError, TypeError):
+                pass
+    names = [[type(n).__name__ for n in _python_inputs(node)] for node in nodes
+             if type(node).__name__ == "_ZipDataset"]
+    if any("_RangeDataset" in branches and "_RepeatDataset" in branches for branches in names):
+        return TIMESERIES
+    ops = {op for node in nodes for op in _map_ops(node)}
+    found = sorted({utility for op, utility in _DECODERS.items() if op in ops})
+    if found:
+        return found[0]
+    return "keras.utils.text_dataset_from_directory" if "ReadFile" in ops else None
+
+
+def _python_inputs(node) -> list:
+    try:
+        return list(node._inputs())
+    except (NotImplementedError, AttributeError, TypeError):
+        return []
+
+
+def _map_ops(node) -> set:
+    """The op types of a map's traced function (empty for any other dataset)."""
+    wrapped = getattr(node, "_map_func", None)
+    try:
+        return {op.type for op in wrapped.function.graph.get_operations()}
+    except AttributeError:
+        return set()
+
+
+def keras_utility_note(dataset: tf.data.Dataset, batched: bool) -> str:
+    """A sentence naming the Keras utility ``dataset`` comes from and what to pass it instead
+    (``batch_size=None``, for Poisson sampling), with the privacy unit of overlapping windows;
+    "" for a pipeline of no known utility.
+
+    Args:
+      dataset: the tf.data pipeline fit was given.
+      batched: its elements are batches.
+
+    Returns:
+      The sentence (with a leading space), or "".
+    """
+    utility = keras_utility(dataset)
+    if utility is None:
+        return ""
+    note = (f" This pipeline is {utility}'s: call it with batch_size=None and give fit batch_size=L, so that its "
+            "examples are Poisson-sampled (amplified ε)." if batched
+            else f" This pipeline is {utility}'s: each of its elements is one example.")
+    if utility == TIMESERIES:
+        note += (" Its examples are WINDOWS: the privacy unit is one window, and a raw record shared by k "
+                 "overlapping windows (k = ⌈sequence_length·sampling_rate / sequence_stride⌉) is protected only at "
+                 "group size k (group privacy; docs/algorithms.md §1.4); sequence_stride ≥ "
+                 "sequence_length·sampling_rate makes the windows disjoint (k = 1).")
+    return note
 
 
 # ---------------------------------------------------------------------- grain MapDataset

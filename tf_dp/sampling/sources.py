@@ -1175,7 +1175,8 @@ def dataset_source(dataset: tf.data.Dataset) -> ExampleSource:
         try:
             tf.data.experimental.at(dataset, 0)
             return DatasetSource(dataset, count)
-        except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError, NotImplementedError):
+        except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError, tf.errors.FailedPreconditionError,
+                NotImplementedError):  # e.g. a repeat() inside (timeseries_dataset_from_array's): no random access
             pass
     return materialized_source(dataset)
 
