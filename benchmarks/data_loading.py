@@ -28,6 +28,7 @@ import tempfile
 import time
 
 from absl import app, flags
+from record import write_json  # noqa: E402  (benchmarks/record.py: command, commit, machine, date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("parts", ["throughput", "memory"], "Which parts to run.")
@@ -507,9 +508,7 @@ def main(argv):
     if "memory" in FLAGS.parts:
         output["memory"] = memory()
     output[f"wall_seconds_{'+'.join(FLAGS.parts)}"] = round(time.perf_counter() - started, 1)
-    os.makedirs(os.path.dirname(FLAGS.output), exist_ok=True)
-    with open(FLAGS.output, "w") as handle:
-        json.dump(output, handle, indent=1)
+    write_json(FLAGS.output, output)
     print(f"wrote {FLAGS.output} ({time.perf_counter() - started:.0f} s)")
 
 

@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 import tf_dp  # noqa: E402
 from tf_dp.accounting import compute_epsilon  # noqa: E402
 from tf_dp.data.shakespeare import load_shakespeare  # noqa: E402
+from record import write_json  # noqa: E402  (benchmarks/record.py: command, commit, machine, date)
 
 QUICK_PLAYS = ("hamlet", "macbeth", "othello", "lear", "tempest", "julius_caesar", "romeo_and_juliet",
                "twelfth_night")
@@ -100,8 +101,7 @@ def main():
     figures["seconds"] = round(time.time() - started, 1)
     print(json.dumps(figures, indent=1))
     if args.out:
-        with open(args.out, "w") as file:
-            json.dump(figures, file, indent=1)
+        write_json(args.out, figures)
 
 
 if __name__ == "__main__":
