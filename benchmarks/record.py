@@ -9,7 +9,7 @@ Every benchmark script writes its JSON through :func:`write_json` (one object) o
      "date": "2026-12-03 13:40 UTC"}
 
 ``tools/results_page.py`` turns these files into docs/results.md. The command never carries a
-seed: the value of every flag whose name contains "seed" is replaced by ``<not recorded>``
+seed: the value of every flag whose name contains "seed" is replaced by ``NOT_RECORDED``
 (a known noise seed voids the guarantee of the run it seeded).
 """
 
@@ -25,6 +25,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HIDDEN = "NOT_RECORDED"
 _SEED_FLAG = re.compile(r"^(--?[\w.-]*seed[\w.-]*)(=.*)?$", re.IGNORECASE)
 
 
@@ -42,16 +43,16 @@ def command(argv: list[str] | None = None) -> str:
     words, hide_next = [], False
     for word in argv[1:]:
         if hide_next:
-            words.append("<not recorded>")
+            words.append(HIDDEN)
             hide_next = False
             continue
         match = _SEED_FLAG.match(word)
         if match and match.group(2):
-            word = f"{match.group(1)}=<not recorded>"
+            word = f"{match.group(1)}={HIDDEN}"
         elif match:
             hide_next = True
         words.append(word)
-    return shlex.join(["python", script, *words]).replace("'<not recorded>'", "<not recorded>")
+    return shlex.join(["python", script, *words])
 
 
 def commit() -> str:
