@@ -58,7 +58,7 @@ def _short(record: dict) -> str:
 
 def provenance(names: list[str]) -> list[str]:
     """One line per result file: its command, commit, date and machine."""
-    lines = ["", "Recorded in:"]
+    lines = ["", "Recorded in:", ""]
     for name in names:
         data = load(name)
         if isinstance(data, list):
@@ -152,9 +152,10 @@ def t_conv_routes():
 
 
 PEERS = "peers/peers_threads1.json"
-WORKERS = [("tf_dp", "tf_dp"), ("tfp_fast_noxla", "tfp fast clipping, no XLA"), ("tfp_fast", "tfp fast clipping, XLA"),
-           ("tfp_dpsgd", "tfp DPKerasSGDOptimizer"), ("tfp_vec", "tfp vectorized"), ("opacus_ghost", "Opacus ghost"),
-           ("opacus_hooks", "Opacus hooks"), ("keras_plain", "plain Keras 3"), ("tfp_plain", "plain tf-keras (TF 2.15)"),
+WORKERS = [("tf_dp", "tf_dp"), ("tfp_fast_noxla", "tfp fast clipping, no XLA"),
+           ("tfp_fast", "tfp fast clipping, XLA"), ("tfp_dpsgd", "tfp DPKerasSGDOptimizer"),
+           ("tfp_vec", "tfp vectorized"), ("opacus_ghost", "Opacus ghost"), ("opacus_hooks", "Opacus hooks"),
+           ("keras_plain", "plain Keras 3"), ("tfp_plain", "plain tf-keras (TF 2.15)"),
            ("torch_plain", "plain PyTorch")]
 
 
@@ -174,9 +175,11 @@ def t_memory():
     m = load("peak_memory.json")
     d = load("data_loading.json")["memory"]
     rows = [["MLP, batch 256, plain Keras step", f"{m['plain_mb']:,.0f} MB"],
-            ["MLP, batch 256, DP step, ghost engine", f"{m['ghost_mb']:,.0f} MB ({m['ghost_mb'] / m['plain_mb']:.2f}×)"],
+            ["MLP, batch 256, DP step, ghost engine",
+             f"{m['ghost_mb']:,.0f} MB ({m['ghost_mb'] / m['plain_mb']:.2f}×)"],
             ["MLP, batch 256, DP step, whole-model vectorized engine", f"{m['vectorized_mb']:,.0f} MB"]]
-    rows += [[f"`fit` at expected batch 2048, physical chunks of {p}", f"{mb:,.0f} MB"] for p, mb in m["chunks_mb"].items()]
+    rows += [[f"`fit` at expected batch 2048, physical chunks of {p}", f"{mb:,.0f} MB"]
+             for p, mb in m["chunks_mb"].items()]
     rows += [["`fit` (20 steps, L = 256), one batch's worth in memory",
               f"{d['baseline_one_batch_in_memory']['peak_rss_mb']:,.0f} MB"],
              ["`fit` from a 1 GB ArrayRecord source", f"{d['1GB']['source']['peak_rss_mb']:,.0f} MB"],
@@ -237,7 +240,8 @@ def t_fiber_study():
 
 
 def t_fiber_borrowed():
-    return _fiber_table([("dpsgd", "DP-SGD"), ("dpadamw", "DP-AdamW"), ("fiber", "FIBER"), *BORROWED], bold=False), [FIBER]
+    columns = [("dpsgd", "DP-SGD"), ("dpadamw", "DP-AdamW"), ("fiber", "FIBER"), *BORROWED]
+    return _fiber_table(columns, bold=False), [FIBER]
 
 
 def t_fiber_ablations():
@@ -332,7 +336,8 @@ def t_keras_hub():
 def t_keras_hub_before_after():
     rows = [[r["model"], r["code"], r["rep"], ms(r["plain_ms"]), ms(r["dp_ms"]), f"{r['ratio']:.2f}×"]
             for r in load("keras_hub_models_before_after.jsonl")]
-    return table(["model", "code", "run", "plain ms", "DP ms", "DP / plain"], rows), ["keras_hub_models_before_after.jsonl"]
+    head = ["model", "code", "run", "plain ms", "DP ms", "DP / plain"]
+    return table(head, rows), ["keras_hub_models_before_after.jsonl"]
 
 
 RACO = "raco/raco_fairness.json"
@@ -359,6 +364,87 @@ def t_raco_step_time():
     return table(["data, model", "mode", "L", "DP-SGD ms", "RaCO-DP ms", "RaCO-DP / DP-SGD"], rows), [name]
 
 
+def _glance_accuracy() -> list:
+    runs = load("main_job.json")["runs"]
+    mnist = [r["test_accuracy"] for r in runs if r["run"].startswith("MNIST, main job")]
+    fashion = next(r for r in runs if r["run"] == "Fashion-MNIST, scattering")
+    return ["accuracy of the main job at ε ≤ 3",
+            f"MNIST {100 * min(mnist):.2f}–{100 * max(mnist):.2f} % ({len(mnist)} keys), Fashion-MNIST "
+            f"{pct(fashion['test_accuracy'])}", "`python examples/mnist_dpsgd.py`",
+            "[accuracy](#accuracy-the-main-job-and-the-recipes-at-3)"]
+
+
+def _glance_step_time() -> list:
+    ratios = ", ".join(f"{r['model']} {r['ratio']:.2f}×" for r in load("step_time.json")["results"])
+    return ["DP step / plain Keras step, batch 256", ratios, "`python benchmarks/step_time.py --batch_size=256`",
+            "[step time](#step-time-against-a-plain-keras-step)"]
+
+
+def _glance_peers() -> list:
+    results = [r for r in load(PEERS)["results"] if not r.get("error")]
+    labels = dict(WORKERS)
+    cells = []
+    for model in dict.fromkeys(r["model"] for r in results):
+        dp = [r for r in results if r["model"] == model and "plain" not in r["worker"]]
+        ours = next(r for r in dp if r["worker"] == "tf_dp")
+        best = min((r for r in dp if r["worker"] != "tf_dp"), key=lambda r: r["ms_per_step"])
+        cells.append(f"{model} {ours['ms_per_step']:.1f} vs {best['ms_per_step']:.1f} ({labels[best['worker']]})")
+    return ["DP step vs the fastest peer, batch 256 (ms)", "; ".join(cells),
+            "`python benchmarks/peers.py --threads=1`", "[against peers](#against-peers)"]
+
+
+def _glance_memory() -> list:
+    m = load("peak_memory.json")
+    return ["peak memory, DP / plain, MLP batch 256",
+            f"{m['ghost_mb'] / m['plain_mb']:.2f}× ({m['ghost_mb']:.0f} vs {m['plain_mb']:.0f} MB)",
+            "`python benchmarks/peak_memory.py`", "[memory](#memory)"]
+
+
+def _glance_fiber() -> list:
+    cells = fiber_summary()
+    names = [n for n, _ in TUNED]
+    wins = {label: 0 for _, label in TUNED}
+    for task, epsilon in {(k[0], k[2]) for k in cells if k[1] in names}:
+        means = {n: statistics.mean(cells[(task, n, epsilon)]) for n in names if (task, n, epsilon) in cells}
+        winner = dict(TUNED)[max(means, key=means.get)]
+        wins[winner] += 1
+    text = ", ".join(f"{name} {count}" for name, count in sorted(wins.items(), key=lambda kv: -kv[1]))
+    return ["FIBER > DiSK > DP-AdamW?", f"best tuned optimizer per (task, ε) cell: {text}",
+            "`python benchmarks/fiber_study.py`", "[fair study](#fiber-disk-dp-adambc-dp-adamw-dp-sgd-the-fair-study)"]
+
+
+def _glance_bandmf() -> list:
+    diffs = []
+    for name in FULL:
+        arms = {r["bands"]: r for r in load(name)["accuracy"]}
+        gain = 100 * (arms[4]["test_accuracy"] - arms[1]["test_accuracy"])
+        diffs.append(f"ε = {arms[1]['epsilon_target']:g}{' (rerun)' if 'rerun' in name else ''}: {gain:+.2f}")
+    return ["BandMF(4) − DP-SGD, main job's recipe, 40 epochs (points)", "; ".join(diffs),
+            "`python benchmarks/bandmf_mnist.py`", "[BandMF](#bandmf-adaptive-clipping-and-user-level-dp)"]
+
+
+def _glance_user_level() -> list:
+    cells = [f"σ = {r['sigma']:g}: ε per user {r['epsilon_per_user']:.2f}, "
+             f"accuracy {pct(r['test_accuracy_user_level'])}" for r in map(load, USER_LEVEL)]
+    return ["user-level DP, Shakespeare (1,090 roles)", "; ".join(cells),
+            "`python benchmarks/user_level_shakespeare.py`",
+            "[user-level DP](#bandmf-adaptive-clipping-and-user-level-dp)"]
+
+
+def _glance_raco() -> list:
+    s = next(s for s in load(RACO)["summary"] if (s["dataset"], s["model"], s["epsilon_key"], s["method"], s["value"])
+             == ("adult", "logistic", "ε=1", "raco", 0.15))
+    return ["RaCO-DP on Adult, ε = 1, γ = 0.15", f"accuracy {s['accuracy_mean']:.3f}, gap {s['gap_mean']:.3f}",
+            "`python benchmarks/raco_fairness.py`", "[RaCO-DP](#raco-dp)"]
+
+
+def t_glance():
+    rows = [_glance_accuracy(), _glance_step_time(), _glance_peers(), _glance_memory(), _glance_fiber(),
+            _glance_bandmf(), _glance_user_level(), _glance_raco()]
+    files = ["main_job.json", "step_time.json", PEERS, "peak_memory.json", FIBER, *FULL, *USER_LEVEL, RACO]
+    return table(["claim", "figure", "command", "section"], rows), files
+
+
 TABLES = {name[2:]: function for name, function in globals().items() if name.startswith("t_")}
 
 
@@ -374,7 +460,8 @@ def render() -> str:
         if match.group(1) not in TABLES:
             raise KeyError(f"{TEMPLATE.name}: no table named {match.group(1)!r}; known: {sorted(TABLES)}")
         lines, files = TABLES[match.group(1)]()
-        out += lines + provenance(files)
+        out += lines + (provenance(files) if match.group(1) != "glance" else
+                        ["", "From " + ", ".join(f"`{f}`" for f in files) + " (each section lists their records)."])
     return "\n".join(out) + "\n"
 
 
@@ -385,11 +472,11 @@ def main(argv=None) -> int:
     page = render()
     if args.check:
         if PAGE.read_text() != page:
-            print(f"{PAGE.relative_to(ROOT)} is stale: run `python tools/results_page.py`", file=sys.stderr)
+            print(f"{PAGE} is stale: run `python tools/results_page.py`", file=sys.stderr)
             return 1
         return 0
     PAGE.write_text(page)
-    print(f"wrote {PAGE.relative_to(ROOT)} ({len(page.splitlines())} lines)")
+    print(f"wrote {PAGE} ({len(page.splitlines())} lines)")
     return 0
 
 
