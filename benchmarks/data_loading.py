@@ -443,6 +443,7 @@ print(json.dumps({"examples": n, "peak_rss_mb": int(status["VmHWM"].split()[0]) 
 
 
 def write_array_record(directory: str, gigabytes: float, shards: int = 8) -> int:
+    import keras
     import numpy as np
     from array_record.python.array_record_module import ArrayRecordWriter
 
@@ -451,6 +452,8 @@ def write_array_record(directory: str, gigabytes: float, shards: int = 8) -> int
     rng = np.random.default_rng(0)
     block = rng.integers(0, 255, (1024, record_bytes), dtype=np.uint8)  # synthetic images (+ a label byte)
     per_shard = -(-count // shards)
+    print(f"writing {gigabytes:g} GB of ArrayRecord ({count} records, {shards} shards):", flush=True)
+    bar = keras.utils.Progbar(shards, unit_name="shard")  # minutes for the 4 GB source
     for shard in range(shards):
         writer = ArrayRecordWriter(os.path.join(directory, f"images-{shard:05d}-of-{shards:05d}.array_record"),
                                    "group_size:1")
@@ -459,6 +462,7 @@ def write_array_record(directory: str, gigabytes: float, shards: int = 8) -> int
             row[:8] = np.frombuffer(np.int64(i).tobytes(), np.uint8)  # every record distinct
             writer.write(row.tobytes())
         writer.close()
+        bar.add(1)
     return count
 
 
