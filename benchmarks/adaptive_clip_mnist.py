@@ -26,7 +26,8 @@ import keras  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import mnist_dpsgd as recipe  # noqa: E402  (defines the recipe's flags)
-from record import write_json  # noqa: E402  (benchmarks/record.py: command, commit, machine, date)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("factors", ["fixed", "10", "0.1", "1"], "C_0 / C of each run; 'fixed' = the recipe's constant C.")

@@ -38,7 +38,8 @@ import tf_dp  # noqa: E402
 from tf_dp.accounting.bandmf import calibrate_bandmf_noise_multiplier  # noqa: E402
 from tf_dp.noise import BandMF  # noqa: E402
 from tf_dp.noise.privatizer import GaussianNoise  # noqa: E402
-from record import write_json  # noqa: E402  (benchmarks/record.py: command, commit, machine, date)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "A < 3 min smoke run: pixels CNN, 2048 examples, 1 epoch, ε = 3, b = 4 for accuracy.")

@@ -21,6 +21,7 @@ Rounds alternate the routes; medians are reported. Prints a Markdown table, writ
 from __future__ import annotations
 
 import os
+import sys
 import statistics
 import time
 
@@ -33,7 +34,8 @@ from absl import app, flags  # noqa: E402
 from step_time import cnn  # noqa: E402
 from tf_dp.clipping import conv  # noqa: E402
 from tf_dp.clipping.dense import DenseContribution  # noqa: E402
-from record import write_json  # noqa: E402  (benchmarks/record.py: command, commit, machine, date)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS  # --batch_size, --rounds and --output are step_time's flags
 flags.DEFINE_integer("calls", 30, "Calls per timing.")

@@ -25,7 +25,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
-from record import write_json  # noqa: E402  (benchmarks/record.py: command, commit, machine, date)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["gpt2", "gemma", "bert"], "keras-hub models to time.")

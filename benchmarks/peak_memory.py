@@ -7,10 +7,12 @@ subprocess, and of DP `fit` at one logical batch with different physical chunk s
 from __future__ import annotations
 
 import subprocess
+import os
 import sys
 
 from absl import app, flags
-from record import write_json  # noqa: E402  (benchmarks/record.py: command, commit, machine, date)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch_size", 256, "Batch size of the step comparison.")

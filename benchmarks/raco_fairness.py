@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import statistics
 import time
 
@@ -67,7 +68,8 @@ import tf_dp  # noqa: E402
 from tf_dp import raco  # noqa: E402
 from tf_dp.data import load_adult, load_compas, load_credit_default, load_parkinsons  # noqa: E402
 from tf_dp.models.data import poisson_dataset  # noqa: E402
-from record import write_json  # noqa: E402  (benchmarks/record.py: command, commit, machine, date)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Smoke run (~2 min): logistic, ε ∈ {1, inf}, 1 seed, one γ and one λ.")

@@ -15,6 +15,7 @@ noise floor of DP-SGD), tf_dp DP-SGD with each engine, and tf_dp FIBER.
 from __future__ import annotations
 
 import os
+import sys
 import statistics
 import time
 
@@ -25,7 +26,8 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
-from record import write_json  # noqa: E402  (benchmarks/record.py: command, commit, machine, date)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "cnn", "transformer"],

@@ -28,7 +28,8 @@ import tempfile
 import time
 
 from absl import app, flags
-from record import write_json  # noqa: E402  (benchmarks/record.py: command, commit, machine, date)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("old_tree", None, "Root of the 'before' source tree (holds tf_dp/).", required=True)

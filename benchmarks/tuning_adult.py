@@ -17,6 +17,7 @@ split, the 16,281 test rows only measure accuracy. Mean ± std over --repeats re
 from __future__ import annotations
 
 import os
+import sys
 import secrets
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -31,7 +32,8 @@ from tf_dp import tuning  # noqa: E402
 from tf_dp.accounting import dp_sgd_event, epsilon  # noqa: E402
 from tf_dp.data import load_adult  # noqa: E402
 from tf_dp.tuning.search import PrivateRandomSearch  # noqa: E402
-from record import append_jsonl  # noqa: E402  (benchmarks/record.py: command, commit, machine, date)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import append_jsonl  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("targets", ["1", "3"], "Total ε of each comparison.")
