@@ -14,7 +14,6 @@ Writes JSON (--output) after every run.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -27,6 +26,8 @@ import keras  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import mnist_dpsgd as recipe  # noqa: E402  (defines the recipe's flags)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("factors", ["fixed", "10", "0.1", "1"], "C_0 / C of each run; 'fixed' = the recipe's constant C.")
@@ -86,9 +87,7 @@ def main(argv):
         print(f"C_0 = {row['initial_clip']:g} ({factor}): C_T = {row['final_clip']:.4g}, σ = {row['sigma']:.3f}, "
               f"ε = {row['epsilon']:.3f}, test accuracy = {row['test_accuracy']:.4f}, {row['seconds']:.0f} s",
               flush=True)
-        os.makedirs(os.path.dirname(FLAGS.output), exist_ok=True)
-        with open(FLAGS.output, "w") as handle:
-            json.dump(results, handle, indent=1)
+        write_json(FLAGS.output, results)
     print("\n| C_0 / C | C_0 | C_T | ε | test accuracy |\n|---|---|---|---|---|")
     for row in results["runs"]:
         print(f"| {row['factor']} | {row['initial_clip']:g} | {row['final_clip']:.4g} | {row['epsilon']:.3f} | "

@@ -19,7 +19,6 @@ Prints Markdown tables and writes JSON (--output).
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,8 @@ import tf_dp  # noqa: E402
 from tf_dp.accounting.bandmf import calibrate_bandmf_noise_multiplier  # noqa: E402
 from tf_dp.noise import BandMF  # noqa: E402
 from tf_dp.noise.privatizer import GaussianNoise  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "A < 3 min smoke run: pixels CNN, 2048 examples, 1 epoch, ε = 3, b = 4 for accuracy.")
@@ -174,9 +175,7 @@ def main(argv):
 
 
 def write(results: dict) -> None:
-    os.makedirs(os.path.dirname(FLAGS.output), exist_ok=True)
-    with open(FLAGS.output, "w") as handle:
-        json.dump(results, handle, indent=1)
+    write_json(FLAGS.output, results)
     print(f"wrote {FLAGS.output}", flush=True)
 
 

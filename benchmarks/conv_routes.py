@@ -20,8 +20,8 @@ Rounds alternate the routes; medians are reported. Prints a Markdown table, writ
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 import statistics
 import time
 
@@ -34,6 +34,8 @@ from absl import app, flags  # noqa: E402
 from step_time import cnn  # noqa: E402
 from tf_dp.clipping import conv  # noqa: E402
 from tf_dp.clipping.dense import DenseContribution  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS  # --batch_size, --rounds and --output are step_time's flags
 flags.DEFINE_integer("calls", 30, "Calls per timing.")
@@ -135,9 +137,8 @@ def main(argv):
             rows.append({"layer": layer.name, "input": list(x.shape), "route": name,
                          "ms": statistics.median(measured), "ratio": ratio})
             print(f"| {layer.name} {tuple(x.shape[1:])} | {name} | {rows[-1]['ms']:.2f} | {ratio:.2f}x |", flush=True)
-    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-    with open(FLAGS.output, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "batch_size": FLAGS.batch_size, "rows": rows}, f, indent=2)
+    write_json(FLAGS.output, {"date": time.strftime("%Y-%m-%d"), "batch_size": FLAGS.batch_size, "rows": rows},
+               indent=2)
 
 
 if __name__ == "__main__":

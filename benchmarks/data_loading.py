@@ -28,6 +28,8 @@ import tempfile
 import time
 
 from absl import app, flags
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("parts", ["throughput", "memory"], "Which parts to run.")
@@ -442,6 +444,7 @@ print(json.dumps({"examples": n, "peak_rss_mb": int(status["VmHWM"].split()[0]) 
 
 
 def write_array_record(directory: str, gigabytes: float, shards: int = 8) -> int:
+    import keras
     import numpy as np
     from array_record.python.array_record_module import ArrayRecordWriter
 
@@ -450,6 +453,8 @@ def write_array_record(directory: str, gigabytes: float, shards: int = 8) -> int
     rng = np.random.default_rng(0)
     block = rng.integers(0, 255, (1024, record_bytes), dtype=np.uint8)  # synthetic images (+ a label byte)
     per_shard = -(-count // shards)
+    print(f"writing {gigabytes:g} GB of ArrayRecord ({count} records, {shards} shards):", flush=True)
+    bar = keras.utils.Progbar(shards, unit_name="shard")  # minutes for the 4 GB source
     for shard in range(shards):
         writer = ArrayRecordWriter(os.path.join(directory, f"images-{shard:05d}-of-{shards:05d}.array_record"),
                                    "group_size:1")
@@ -458,6 +463,7 @@ def write_array_record(directory: str, gigabytes: float, shards: int = 8) -> int
             row[:8] = np.frombuffer(np.int64(i).tobytes(), np.uint8)  # every record distinct
             writer.write(row.tobytes())
         writer.close()
+        bar.add(1)
     return count
 
 
@@ -507,9 +513,7 @@ def main(argv):
     if "memory" in FLAGS.parts:
         output["memory"] = memory()
     output[f"wall_seconds_{'+'.join(FLAGS.parts)}"] = round(time.perf_counter() - started, 1)
-    os.makedirs(os.path.dirname(FLAGS.output), exist_ok=True)
-    with open(FLAGS.output, "w") as handle:
-        json.dump(output, handle, indent=1)
+    write_json(FLAGS.output, output)
     print(f"wrote {FLAGS.output} ({time.perf_counter() - started:.0f} s)")
 
 

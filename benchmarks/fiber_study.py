@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import statistics
 import time
 
@@ -62,6 +63,8 @@ import tf_dp  # noqa: E402
 from tf_dp import data as tf_dp_data  # noqa: E402
 from tf_dp.accounting import calibrate_noise_multiplier  # noqa: E402
 from tf_dp.accounting.bandmf import calibrate_bandmf_noise_multiplier  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import append_jsonl  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", "mnist", "mnist | fashion_mnist | tweets | transfer (Fashion-MNIST pre-training, "
@@ -296,11 +299,7 @@ def run_keys() -> dict:
 
 
 def append(record: dict) -> None:
-    record = {**run_keys(), **record}
-    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-    with open(FLAGS.output, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    print(json.dumps(record), flush=True)
+    print(json.dumps(append_jsonl(FLAGS.output, {**run_keys(), **record})), flush=True)
 
 
 def read_records(path: str) -> list[dict]:

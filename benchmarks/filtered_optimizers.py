@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import statistics
 import time
 
@@ -34,6 +35,8 @@ from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
 from tf_dp import data as tf_dp_data  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("datasets", ["mnist", "fashion_mnist", "tweets"], "Datasets.")
@@ -155,9 +158,7 @@ def main(argv):
                 }
                 results["runs"].append(record)
                 print(json.dumps(record), flush=True)
-    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-    with open(FLAGS.output, "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(FLAGS.output, results, indent=2)
     print(markdown(results))
     if FLAGS.plot:
         plot(results, os.path.dirname(FLAGS.output) or ".")

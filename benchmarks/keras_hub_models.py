@@ -25,6 +25,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["gpt2", "gemma", "bert"], "keras-hub models to time.")
@@ -206,10 +208,8 @@ def main(argv):
             else:
                 print(f"| {name} | {engine} | — | — | {r['status']} (return code {r.get('returncode')}) | "
                       f"{r['detail'][:80]} |", flush=True)
-    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-    with open(FLAGS.output, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "batch_size": FLAGS.batch_size,
-                   "sequence_length": FLAGS.sequence_length, "results": results}, f, indent=2)
+    write_json(FLAGS.output, {"date": time.strftime("%Y-%m-%d"), "batch_size": FLAGS.batch_size,
+                              "sequence_length": FLAGS.sequence_length, "results": results}, indent=2)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,13 @@ subprocess, and of DP `fit` at one logical batch with different physical chunk s
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
+import os
 import sys
 
 from absl import app, flags
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch_size", 256, "Batch size of the step comparison.")
@@ -62,9 +63,8 @@ def main(argv):
           f"({ghost / plain:.2f}x), DP vectorized {vectorized:.0f} MB ({vectorized / plain:.2f}x)")
     print(f"DP fit at expected batch {FLAGS.logical_batch}: " +
           ", ".join(f"physical {p}: {mb:.0f} MB" for p, mb in chunks.items()))
-    os.makedirs(os.path.dirname(FLAGS.output), exist_ok=True)
-    with open(FLAGS.output, "w") as f:
-        json.dump({"plain_mb": plain, "ghost_mb": ghost, "vectorized_mb": vectorized, "chunks_mb": chunks}, f, indent=2)
+    write_json(FLAGS.output, {"plain_mb": plain, "ghost_mb": ghost, "vectorized_mb": vectorized,
+                              "chunks_mb": chunks}, indent=2)
 
 
 if __name__ == "__main__":

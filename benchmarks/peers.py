@@ -31,6 +31,8 @@ import time
 import traceback
 
 from absl import app, flags
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 MODELS = ("mlp", "cnn", "transformer")
@@ -455,10 +457,10 @@ def main(argv):
             ratio = f"{r['ratio_to_tf_dp']:.2f}x" if "ratio_to_tf_dp" in r else "-"
             vers = ", ".join(f"{k} {v}" for k, v in r["versions"].items() if k != "warm_ms")
             print(f"| {r['model']} | {r['worker']} | {r['ms_per_step']:.1f} | {ratio} | {vers} |")
-    with open(FLAGS.output, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "cpu_count": os.cpu_count(), "cpus": FLAGS.cpus,
-                   "threads": FLAGS.threads, "rounds": FLAGS.rounds, "steps": FLAGS.steps, "l2_norm_clip": L2_NORM_CLIP,
-                   "noise_multiplier": NOISE_MULTIPLIER, "results": results}, f, indent=2)
+    write_json(FLAGS.output, {"date": time.strftime("%Y-%m-%d"), "cpu_count": os.cpu_count(), "cpus": FLAGS.cpus,
+                              "threads": FLAGS.threads, "rounds": FLAGS.rounds, "steps": FLAGS.steps,
+                              "l2_norm_clip": L2_NORM_CLIP, "noise_multiplier": NOISE_MULTIPLIER,
+                              "results": results}, indent=2)
     print(f"\nwrote {FLAGS.output}")
 
 

@@ -51,9 +51,9 @@ et al. 2019, UCI, CC BY 4.0), COMPAS (ProPublica, github.com/propublica/compas-a
 
 from __future__ import annotations
 
-import json
 import math
 import os
+import sys
 import statistics
 import time
 
@@ -68,6 +68,8 @@ import tf_dp  # noqa: E402
 from tf_dp import raco  # noqa: E402
 from tf_dp.data import load_adult, load_compas, load_credit_default, load_parkinsons  # noqa: E402
 from tf_dp.models.data import poisson_dataset  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Smoke run (~2 min): logistic, ε ∈ {1, inf}, 1 seed, one γ and one λ.")
@@ -395,8 +397,7 @@ def write_outputs(path_stem: str, started: float, cpu_started: float, sizes, pla
         "summary": [{k: json_safe(v) for k, v in s.items()} for s in summary],
         "runs": [{k: json_safe(v) for k, v in r.items()} for r in runs], "step_time": timings,
     }
-    with open(path_stem + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
+    write_json(path_stem + ".json", payload)
     return markdown
 
 
@@ -441,9 +442,9 @@ def main(argv):
                  f"of {FLAGS.timing_steps} steps; median per-round ratio.", "", *timing_table(timings), ""]
         with open(os.path.join(FLAGS.output_dir, "raco_step_time.md"), "w") as f:
             f.write("\n".join(lines))
-        with open(os.path.join(FLAGS.output_dir, "raco_step_time.json"), "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "threads": FLAGS.threads, "rounds": FLAGS.timing_rounds,
-                       "steps": FLAGS.timing_steps, "step_time": timings}, f, indent=1)
+        write_json(os.path.join(FLAGS.output_dir, "raco_step_time.json"),
+                   {"date": time.strftime("%Y-%m-%d"), "threads": FLAGS.threads, "rounds": FLAGS.timing_rounds,
+                    "steps": FLAGS.timing_steps, "step_time": timings})
         return
 
     plans: dict = {}

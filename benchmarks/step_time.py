@@ -23,8 +23,8 @@ noise floor of DP-SGD), tf_dp DP-SGD with each engine, and tf_dp FIBER.
 from __future__ import annotations
 
 import itertools
-import json
 import os
+import sys
 import statistics
 import time
 
@@ -35,6 +35,8 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import tf_dp  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "cnn", "transformer"],
@@ -202,9 +204,7 @@ def main(argv):
               f"{r['floor_ms']:.1f} | "
               f"{r['dp_ms']:.1f} | {r['ratio']:.2f}x | {r['ratio_to_floor']:.2f}x | {r['fiber_ms']:.1f} | "
               f"{r['fiber_ratio']:.2f}x |", flush=True)
-    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-    with open(FLAGS.output, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=2)
+    write_json(FLAGS.output, {"date": time.strftime("%Y-%m-%d"), "results": results}, indent=2)
 
 
 if __name__ == "__main__":

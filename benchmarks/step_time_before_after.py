@@ -28,6 +28,8 @@ import tempfile
 import time
 
 from absl import app, flags
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("old_tree", None, "Root of the 'before' source tree (holds tf_dp/).", required=True)
@@ -149,12 +151,11 @@ def main(argv):
 
 
 def _write(runs, summaries, ops):
-    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-    with open(FLAGS.output, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "old_tree": FLAGS.old_tree, "new_tree": FLAGS.new_tree,
-                   "batch_size": FLAGS.batch_size, "rounds": FLAGS.rounds, "steps": FLAGS.steps,
-                   "alternations": FLAGS.alternations, "load_average": os.getloadavg(), "summary": summaries,
-                   "operations": ops, "runs": runs}, f, indent=2)
+    write_json(FLAGS.output, {"date": time.strftime("%Y-%m-%d %H:%M"), "old_tree": FLAGS.old_tree,
+                              "new_tree": FLAGS.new_tree, "batch_size": FLAGS.batch_size, "rounds": FLAGS.rounds,
+                              "steps": FLAGS.steps, "alternations": FLAGS.alternations,
+                              "load_average": os.getloadavg(), "summary": summaries, "operations": ops,
+                              "runs": runs}, indent=2)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ split, the 16,281 test rows only measure accuracy. Mean ± std over --repeats re
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 import secrets
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -32,6 +32,8 @@ from tf_dp import tuning  # noqa: E402
 from tf_dp.accounting import dp_sgd_event, epsilon  # noqa: E402
 from tf_dp.data import load_adult  # noqa: E402
 from tf_dp.tuning.search import PrivateRandomSearch  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import append_jsonl  # noqa: E402  (writes the command, commit, machine and date)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("targets", ["1", "3"], "Total ε of each comparison.")
@@ -119,9 +121,8 @@ def main(argv):
         for name, arm in ARMS:
             results = [arm(data, target) for _ in range(FLAGS.repeats)]
             if FLAGS.output:
-                with open(FLAGS.output, "a") as f:
-                    for result in results:
-                        f.write(json.dumps({"target": target, "arm": name, **result}) + "\n")
+                for result in results:
+                    append_jsonl(FLAGS.output, {"target": target, "arm": name, **result})
             accuracies = [r["accuracy"] for r in results]
             quoted = results[0]["epsilon"]
             true = (f"≥ {results[0]['epsilon_of_the_runs_composed']:.2f} (∞: exact private scores)"

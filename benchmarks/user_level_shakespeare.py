@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -36,6 +37,8 @@ import numpy as np  # noqa: E402
 import tf_dp  # noqa: E402
 from tf_dp.accounting import compute_epsilon  # noqa: E402
 from tf_dp.data.shakespeare import load_shakespeare  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
+from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
 
 QUICK_PLAYS = ("hamlet", "macbeth", "othello", "lear", "tempest", "julius_caesar", "romeo_and_juliet",
                "twelfth_night")
@@ -100,8 +103,7 @@ def main():
     figures["seconds"] = round(time.time() - started, 1)
     print(json.dumps(figures, indent=1))
     if args.out:
-        with open(args.out, "w") as file:
-            json.dump(figures, file, indent=1)
+        write_json(args.out, figures)
 
 
 if __name__ == "__main__":

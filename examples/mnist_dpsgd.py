@@ -73,6 +73,8 @@ flags.DEFINE_integer("ema_start_step", 0, "Optimizer step at which the average s
 flags.DEFINE_string("features_cache", None, "A .npz file of the scattering features (computed and written if absent, "
                     "read if present; no noise, key or batch in it): reruns skip the minutes of the transform.")
 flags.DEFINE_integer("train_examples", None, "Use only the first N training examples (smoke tests).")
+flags.DEFINE_integer("verbose", 2, "Keras' fit verbosity (2: one line per epoch, 1: a progress bar per epoch, 0: "
+                     "silent); the scattering feature pass shows a progress bar unless 0.")
 flags.DEFINE_enum("accountant", "rdp", ["rdp", "pld"], "Privacy accountant.")
 define_seed_flags()
 flags.DEFINE_bool("jit_compile", False, "XLA (measured slower on CPU; see README).")
@@ -128,8 +130,8 @@ def model_and_inputs(data, x_train):
                 return scatternet_cnn(FLAGS.activation), cached["train"], cached["test"]
     start = time.time()
     print(f"scattering features (J = 2, L = 8) of the {len(x_train)} training and {len(data.x_test)} test images:")
-    train = tf_dp.features.scattering_features(x_train, progress=True)
-    test = tf_dp.features.scattering_features(data.x_test, progress=True)
+    train = tf_dp.features.scattering_features(x_train, progress=FLAGS.verbose > 0)
+    test = tf_dp.features.scattering_features(data.x_test, progress=FLAGS.verbose > 0)
     print(f"scattering features of {len(train) + len(test)} images: {train.shape[1:]} each, "
           f"{time.time() - start:.0f} s")
     if FLAGS.features_cache:
@@ -209,7 +211,8 @@ def main(argv):
     )
     start = time.time()
     model.fit(x_train, y_train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, callbacks=training_callbacks(),
-              validation_data=(x_test, data.y_test), sampling_seed=noise_seed(), verbose=2)
+              validation_data=(x_test, data.y_test), sampling_seed=noise_seed(),
+              verbose=FLAGS.verbose)
     accuracy = final_test_accuracy(model, x_test, data.y_test)
     steps = int(model.privacy_ledger.steps.numpy())
     warn_if_fixed_noise()
