@@ -54,6 +54,7 @@ flags.DEFINE_float("mean_trials", 10.0, "E[K] of the private search (logarithmic
 flags.DEFINE_integer("fixed_runs", 10, "Runs of arm (c).")
 flags.DEFINE_float("score_noise", 20.0, "σ of NoisyAccuracy's noise on the count of correct validation predictions.")
 flags.DEFINE_string("output", None, "Append one JSON line per arm to this file.")
+flags.DEFINE_list("arms", ["a", "b", "c"], "Which arms to run (separate processes may run different arms).")
 
 DELTA, MOMENTUM = 1e-5, 0.9
 DEFAULT_LEARNING_RATE, DEFAULT_CLIP = 2.0, 0.1  # examples/mnist_dpsgd.py's MNIST scattering recipe
@@ -181,6 +182,8 @@ def main(argv):
     print("| total ε target | arm | test accuracy | ε quoted | true ε | σ per run | chosen lr / C |")
     print("|---|---|---|---|---|---|---|")
     for name, arm in ARMS:
+        if name[1] not in FLAGS.arms:
+            continue
         start = time.time()
         result = arm(data)
         result["seconds"] = time.time() - start
