@@ -3,6 +3,7 @@
     tf-dp epsilon --num_examples=60000 --batch_size=256 --noise_multiplier=1.1 --epochs=60 --delta=1e-5
     tf-dp calibrate --target_epsilon=3 --num_examples=60000 --batch_size=256 --epochs=60
     tf-dp report PATH        # a .keras file or an exported SavedModel folder (privacy.json)
+    tf-dp tune --dataset=adult --target_epsilon=3 --output=tuned   # private random search (tf_dp.tuning)
 """
 
 from __future__ import annotations
@@ -30,10 +31,26 @@ def _define_flags() -> None:
     flags.DEFINE_integer("steps", None, "Number of steps T; or --epochs.")
     flags.DEFINE_float("delta", 1e-5, "δ.")
     flags.DEFINE_enum("accountant", "rdp", ["rdp", "pld"], "Accountant.")
-    flags.DEFINE_float("target_epsilon", None, "Target ε (calibrate).")
+    flags.DEFINE_float("target_epsilon", None, "Target ε (calibrate; tune: the whole search's ε).")
+    _define_tune_flags()
 
 
-COMMANDS = ("epsilon", "calibrate", "report")
+def _define_tune_flags() -> None:
+    """Flags of ``tf-dp tune`` (docs/guides/tuning.md)."""
+    flags.DEFINE_enum("dataset", "adult", ["adult", "mnist"], "tune: Adult (logistic regression) or MNIST (the "
+                      "main job's scattering CNN).")
+    flags.DEFINE_string("output", None, "tune: directory of the released model.keras and privacy.json.")
+    flags.DEFINE_enum("trials", "logarithmic", ["logarithmic", "geometric", "poisson"],
+                      "tune: the law of the (secret) number of trials K.")
+    flags.DEFINE_float("mean_trials", 10.0, "tune: E[K].")
+    flags.DEFINE_list("learning_rates", None, "tune: candidate learning rates (default: the data set's).")
+    flags.DEFINE_list("clip_norms", None, "tune: candidate clip norms (default: the data set's).")
+    flags.DEFINE_integer("train_examples", None, "tune: training rows (default: all but the validation rows).")
+    flags.DEFINE_integer("validation_examples", 2000, "tune: private validation rows that rank the trials.")
+    flags.DEFINE_float("score_noise", 30.0, "tune: σ of the noise on each trial's validation count.")
+
+
+COMMANDS = ("epsilon", "calibrate", "report", "tune")
 
 
 def _require(*names):
@@ -61,6 +78,31 @@ def _calibrate() -> str:
                                        epochs=FLAGS.epochs, steps=FLAGS.steps, delta=FLAGS.delta,
                                        accountant=FLAGS.accountant)
     return f"{value:.4f}"
+
+
+def _tune() -> str:
+    """Runs the private random search; the printed lines state the search's ε, never K or a seed."""
+    from tf_dp.tuning.command import tune
+
+    if FLAGS.output is None:
+        raise app.UsageError("missing flag: --output (directory of the released model and privacy.json)")
+    if FLAGS.steps is not None or (FLAGS.epochs is not None and not float(FLAGS.epochs).is_integer()):
+        raise app.UsageError("tune takes a whole number of --epochs (not --steps)")
+    floats = lambda values: None if values is None else [float(v) for v in values]  # noqa: E731
+    result = tune(FLAGS.dataset, FLAGS.output, target_epsilon=FLAGS.target_epsilon,
+                  noise_multiplier=FLAGS.noise_multiplier, distribution=FLAGS.trials, mean_trials=FLAGS.mean_trials,
+                  learning_rates=floats(FLAGS.learning_rates), clip_norms=floats(FLAGS.clip_norms),
+                  batch_size=FLAGS.batch_size, epochs=None if FLAGS.epochs is None else int(FLAGS.epochs),
+                  train_examples=FLAGS.train_examples, validation_examples=FLAGS.validation_examples,
+                  score_noise=FLAGS.score_noise, delta=FLAGS.delta)
+    best = ", ".join(f"{k} = {v:g}" for k, v in sorted(result.hyperparameters.items()))
+    return "\n".join([
+        f"tuning: epsilon = {result.epsilon:.4f} at delta = {result.delta:g} (RDP), the whole search "
+        f"(K ~ {FLAGS.trials}, E[K] = {FLAGS.mean_trials:g}); one trial alone: {result.epsilon_one_trial:.4f}",
+        f"sigma per trial = {result.noise_multiplier:.4f}",
+        f"best trial: test accuracy = {result.test_accuracy:.4f} ({best})",
+        f"released: {os.path.join(result.directory, 'model.keras')}, {os.path.join(result.directory, 'privacy.json')}",
+    ])
 
 
 def report(path: str) -> dict:
@@ -115,7 +157,7 @@ def main(argv):
     elif len(argv) > 2:
         raise app.UsageError(f"unexpected arguments: {argv[2:]}")
     else:
-        print(_epsilon() if command == "epsilon" else _calibrate())
+        print({"epsilon": _epsilon, "calibrate": _calibrate, "tune": _tune}[command]())
 
 
 def run():

@@ -259,6 +259,22 @@ def t_tuning():
     return table(head, rows), ["tuning_adult.jsonl"]
 
 
+def t_tuning_mnist():
+    cells: dict = {}
+    for r in load("tuning_mnist.jsonl"):
+        cells.setdefault((r["target"], r["arm"]), []).append(r)
+    rows = []
+    for (target, arm), runs in cells.items():
+        accuracies = [100 * r["accuracy"] for r in runs]
+        spread = f" ± {statistics.stdev(accuracies):.2f}" if len(runs) > 1 else ""
+        true = [r["epsilon_true"] for r in runs]
+        true = (f"{max(true):.2f}" if all(isinstance(t, float) for t in true) else
+                f"≥ {min(r['epsilon_of_the_runs_composed'] for r in runs):.2f} (unbounded)")
+        rows.append([f"{target:g}", arm, f"{statistics.mean(accuracies):.2f} %{spread}", true, len(runs)])
+    head = ["target ε", "arm", "test accuracy (mean ± sd)", "true ε", "repeats"]
+    return table(head, rows), ["tuning_mnist.jsonl"]
+
+
 def _composed(runs: list[dict]) -> str:
     values = [r["epsilon_of_the_runs_composed"] for r in runs if "epsilon_of_the_runs_composed" in r]
     return f"{max(values):.2f}" if values else "–"

@@ -17,7 +17,10 @@ selection's curve ε'(λ) follows §14 exactly:
   in the λ̂ term and ln E[K] − ln(1 − γ) in the last (neither tighter nor looser). Only
   Theorem 2 is a stated theorem: tf_dp uses it for every η.
 * Poisson (μ): ε'(λ) = ε(λ) + μ·δ̂(λ) + ln μ/(λ − 1), δ̂(λ) the δ of one trial at
-  ε̂ = ln(1 + 1/(λ − 1)) from its RDP curve (dp_accounting's ``compute_delta``).
+  ε̂ = ln(1 + 1/(λ − 1)) from its RDP curve (dp_accounting's ``compute_delta``), for μ >= 1
+  only: at μ < 1 the formula is negative near λ = 1 (the public Figure 7's own Poisson points
+  at μ = 0.15 and 0.35 have min_λ ε'(λ) = −7.4 and −4.0), which no Rényi divergence is, so
+  it is refused there.
 
 ε(δ) of the search is then the project's RDP → (ε, δ) conversion of ε'(λ)
 (``accountant._epsilon_from_rdp``, dp_accounting's ``compute_epsilon``).
@@ -123,7 +126,14 @@ def _negative_binomial_selection(rdp: np.ndarray, orders: np.ndarray,
 
 
 def _poisson_selection(rdp: np.ndarray, orders: np.ndarray, mu: float) -> np.ndarray:
-    """ε(λ) + μ·δ̂(λ) + ln μ/(λ − 1), δ̂(λ) = δ of one trial at ε̂ = ln(1 + 1/(λ − 1))."""
+    """ε(λ) + μ·δ̂(λ) + ln μ/(λ − 1), δ̂(λ) = δ of one trial at ε̂ = ln(1 + 1/(λ − 1)); only
+    for μ >= 1 (below, ln μ/(λ − 1) → −∞ as λ → 1: a negative "RDP", which bounds nothing)."""
+    if mu < 1:
+        raise ValueError(
+            f"PoissonTrials(mean={mu:g}): the Poisson selection bound needs `mean` >= 1. Below 1 its term "
+            "ln(mean)/(λ − 1) is negative and unbounded near λ = 1, so the formula falls below 0, under any Rényi "
+            "divergence (it would report ε = 0 for releasing a trained model): it is no bound there "
+            "(docs/algorithms.md §14). Use mean >= 1 or a TruncatedNegativeBinomial.")
     with accountant._quiet_absl():
         delta_hat = np.array([
             rdp_privacy_accountant.compute_delta(orders, rdp, math.log1p(1 / (order - 1)))[0] for order in orders])
