@@ -923,7 +923,11 @@ class DatasetSource(ExampleSource):
         """``graph_read`` for training, in the graph: (x, y, extras, unreadable). The masked-in
         rows are read through a dataset with ``ignore_errors``, so a record whose map raises is
         skipped: its row holds zeros and ``unreadable`` marks it (a zero-weight example, never
-        an exception mid-training); its index is noted in the log on the host."""
+        an exception mid-training); its index is noted in the log on the host. A dataset whose
+        element shapes are not fully defined (variable-length audio) has no padding row to
+        stand in for a failed record: it is read as before, and a record that fails raises."""
+        if not all(leaf.shape.is_fully_defined() for leaf in tf.nest.flatten(self.spec)):
+            return super().graph_read_tolerant(indices, mask)  # no padding row to stand in (variable shapes)
         count = tf.shape(indices, out_type=tf.int64)[0]
         whole = tf.data.Dataset.from_tensors(indices).map(lambda rows: (True, self.graph_read(rows, mask)[:2]))
         padding = _zeros_of(self.spec, leading=[count])
