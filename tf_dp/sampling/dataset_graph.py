@@ -462,16 +462,7 @@ def keras_utility(dataset: tf.data.Dataset) -> Optional[str]:
     Returns:
       The utility's name (e.g. "keras.utils.image_dataset_from_directory"), or None.
     """
-    nodes, stack, seen = [], [dataset], set()
-    while stack:
-        node = stack.pop()
-        if id(node) not in seen:
-            seen.add(id(node))
-            nodes.append(node)
-            try:
-                stack.extend(node._inputs())
-            except (NotImplementedError, AttributeError, TypeError):
-                pass
+    nodes = _reachable(dataset, _python_inputs)
     names = [[type(n).__name__ for n in _python_inputs(node)] for node in nodes
              if type(node).__name__ == "_ZipDataset"]
     if any("_RangeDataset" in branches and "_RepeatDataset" in branches for branches in names):
@@ -481,6 +472,18 @@ def keras_utility(dataset: tf.data.Dataset) -> Optional[str]:
     if found:
         return found[0]
     return "keras.utils.text_dataset_from_directory" if "ReadFile" in ops else None
+
+
+def _reachable(root, parents) -> list:
+    """``root`` and every node reachable through ``parents(node)``, each once."""
+    nodes, stack, seen = [], [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            nodes.append(node)
+            stack.extend(parents(node))
+    return nodes
 
 
 def _python_inputs(node) -> list:
@@ -529,13 +532,7 @@ def keras_utility_note(dataset: tf.data.Dataset, batched: bool) -> str:
 def grain_duplicating_idioms(dataset) -> list:
     """Duplication idioms of a grain ``MapDataset`` chain (walked through ``parents``): a
     repeat, a concatenate/mix of the same source, or more elements than distinct records."""
-    nodes, stack, seen = [], [dataset], set()
-    while stack:
-        node = stack.pop()
-        if id(node) not in seen:
-            seen.add(id(node))
-            nodes.append(node)
-            stack.extend(_grain_parents(node))
+    nodes = _reachable(dataset, _grain_parents)
     found = []
     for node in nodes:
         name = type(node).__name__
