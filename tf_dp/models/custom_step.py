@@ -294,7 +294,7 @@ class CustomTraining:
         release = ledger.record_step(sigma, self.step_limit.allows(dp_step, sigma))
         optimizer.apply(ClippedSum(
             sums, expected_batch_size, dp_step, noise_multiplier=sigma, release=release,
-            public_gradients=_regularization_gradients(variables), squared_norms=norms if wants_norms else None,
+            public_gradients=regularization_gradients(variables), squared_norms=norms if wants_norms else None,
             mask=tf.reshape(mask, [-1]) if wants_norms else None), variables)
         logs = {}
         if not self._dp["private_logs"]:
@@ -423,8 +423,16 @@ def _clipped_sums(owner, model, inputs, mask, points):
     return sums, norms.concat(), tf.math.divide_no_nan(total, tf.reduce_sum(mask)), nonfinite
 
 
-def _regularization_gradients(variables):
-    """∇ of the variables' weight regularizers (a function of θ only: public)."""
+def regularization_gradients(variables):
+    """∇ of the variables' weight regularizers: a function of θ only, so public (no noise
+    needed); the built-in step and ``private_update`` both add it after averaging.
+
+    Args:
+      variables: the trainable variables of the step.
+
+    Returns:
+      One gradient per variable (zeros where it has no regularizer), or None if none has one.
+    """
     regularized = [v for v in variables if getattr(v, "regularizer", None)]
     if not regularized:
         return None

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.clipping.engine import view_of
-from tf_dp.models.custom_step import targets_and_objective
+from tf_dp.models.custom_step import regularization_gradients, targets_and_objective
 from tf_dp.models.data import is_poisson_batch
 from tf_dp.models.losses import (WeightedTargets, class_weights_of, metric_weights_for_masks, unpack_targets,
                                   without_unused_targets)
@@ -72,7 +72,7 @@ class DPTrainStep:
         release = ledger.record_step(sigma, self.step_limit.allows(dp_step, sigma))
         optimizer.apply(ClippedSum(
             clipped_sums, expected_batch_size, dp_step, noise_multiplier=sigma, release=release,
-            public_gradients=self._regularization_gradients(), squared_norms=squared_norms,
+            public_gradients=regularization_gradients(self.trainable_variables), squared_norms=squared_norms,
             mask=tf.reshape(mask, [-1]) if wants_norms else None), self.trainable_variables)
         # The ledger's refusal count and step count ride with the logs (public: functions of σ
         # and the table); the host reads them from there, cheaper than variable reads per
@@ -305,13 +305,6 @@ class DPTrainStep:
         terms = [v.regularizer(v) for v in self.trainable_variables if getattr(v, "regularizer", None)]
         return tf.add_n(terms) if terms else 0.0
 
-    def _regularization_gradients(self):
-        """∇ of weight regularizers: a function of θ only, so public (no noise needed)."""
-        if not any(getattr(v, "regularizer", None) for v in self.trainable_variables):
-            return None
-        with tf.GradientTape() as tape:
-            penalty = self._regularization_loss()
-        return tape.gradient(penalty, self.trainable_variables)
 
 
 class StepDoor:

@@ -52,6 +52,7 @@ class NoiseKeyGuard:
         self.secure_mode = secure_mode
         self.user_seed = None if seed is None else int(seed)
         self._key = NoiseKey(self.user_seed)
+        self._window_open = False  # drawing_window: set only by the model's train function
         self._start(resume_allowed=False)
 
     def __repr__(self) -> str:
@@ -77,7 +78,6 @@ class NoiseKeyGuard:
     def _start(self, resume_allowed: bool) -> None:
         """A new key that has drawn nothing yet, for no model yet."""
         self._resume_allowed = resume_allowed
-        self._window_open = getattr(self, "_window_open", False)
         self._generation, self._fresh_from_step = 0, 0
         self._ledger = lambda: None  # a weak reference to the ledger this key draws for
         self._seeded_from_zero = False  # this key's seed has drawn on that ledger since its step 0

@@ -33,7 +33,7 @@ from dp_accounting import dp_event
 
 from tf_dp import _checks
 from tf_dp.accounting.events import register_event
-from tf_dp.sampling.poisson import StepSampler, _uniforms, choose_physical_batch_size, chunk
+from tf_dp.sampling.poisson import StepSampler, _uniforms, choose_physical_batch_size, chunk, stream_seed
 from tf_dp.sampling.schemes import SamplingScheme, register_sampling
 
 NAME = "balls_in_bins"
@@ -87,10 +87,8 @@ class BallsInBinsSampler(StepSampler):
         if physical_batch_size is None:
             physical_batch_size = choose_physical_batch_size(self.num_examples, 1.0 / self.bins)
         self.physical_batch_size = _checks.positive_int("physical_batch_size", physical_batch_size)
-        if secure and seed is not None:
-            raise ValueError("secure sampling draws from the OS; it accepts no `seed`.")
         self.secure = _checks.boolean("secure", secure)
-        self.seed = None if secure else int(np.random.SeedSequence(seed).entropy) % 2**64
+        self.seed = stream_seed(seed, secure)
         self.chunk_multiple = _checks.positive_int("chunk_multiple", chunk_multiple)
         self._epoch, self._members = None, None
         self.next_step = 0

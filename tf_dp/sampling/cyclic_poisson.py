@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from tf_dp import _checks
-from tf_dp.sampling.poisson import StepSampler, _uniforms, choose_physical_batch_size, chunk
+from tf_dp.sampling.poisson import StepSampler, _uniforms, choose_physical_batch_size, chunk, stream_seed
 from tf_dp.sampling.schemes import SamplingScheme, register_sampling
 
 _GROUP_STREAM = 0  # SeedSequence spawn keys: (0,) draws the groups, (1, t) the batch of step t
@@ -76,10 +76,8 @@ class CyclicPoissonSampler(StepSampler):
             group_size = max(1, round(self.num_examples / self.num_bands))
             physical_batch_size = choose_physical_batch_size(group_size, min(1.0, self.sampling_rate))
         self.physical_batch_size = _checks.positive_int("physical_batch_size", physical_batch_size)
-        if secure and seed is not None:
-            raise ValueError("secure sampling draws from the OS; it accepts no `seed`.")
         self.secure = _checks.boolean("secure", secure)
-        self.seed = None if secure else int(np.random.SeedSequence(seed).entropy) % 2**64
+        self.seed = stream_seed(seed, secure)
         self.chunk_multiple = _checks.positive_int("chunk_multiple", chunk_multiple)
         self._members = self._group_members()
         self.next_step = 0

@@ -104,6 +104,22 @@ def chunk(indices: np.ndarray, physical_batch_size: int, multiple: int = 1) -> t
     return padded.reshape(chunks, physical_batch_size), mask.reshape(chunks, physical_batch_size)
 
 
+def stream_seed(seed, secure: bool):
+    """The batch stream's seed: the user's ``seed`` hashed to 64 bits (None: OS entropy), or
+    None in secure mode, which draws every batch from the OS and accepts no seed.
+
+    Args:
+      seed: the sampling seed, or None.
+      secure: whether batches are drawn from the OS CSPRNG.
+
+    Returns:
+      A 64-bit int, or None in secure mode.
+    """
+    if secure and seed is not None:
+        raise ValueError("secure sampling draws from the OS; it accepts no `seed`.")
+    return None if secure else int(np.random.SeedSequence(seed).entropy) % 2**64
+
+
 class StepSampler:
     """A sampler whose batch of step t is ``batch(t)``, a function of its secret seed and t
     only; ``stream`` serves steps in order from where the last stream stopped (or from a
@@ -153,10 +169,8 @@ class PoissonSampler(StepSampler):
         if physical_batch_size is None:
             physical_batch_size = choose_physical_batch_size(self.num_examples, self.sampling_rate)
         self.physical_batch_size = _checks.positive_int("physical_batch_size", physical_batch_size)
-        if secure and seed is not None:
-            raise ValueError("secure sampling draws from the OS; it accepts no `seed`.")
         self.secure = secure
-        self.seed = None if secure else int(np.random.SeedSequence(seed).entropy) % 2**64
+        self.seed = stream_seed(seed, secure)
         self.chunk_multiple = _checks.positive_int("chunk_multiple", chunk_multiple)
         self.next_step = 0
 

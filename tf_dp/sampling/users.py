@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp import _checks
-from tf_dp.sampling.poisson import (PAD_INDEX, StepSampler, _uniforms, choose_physical_batch_size,
+from tf_dp.sampling.poisson import (PAD_INDEX, StepSampler, stream_seed, _uniforms, choose_physical_batch_size,
                                     sample_poisson_batch)
 from tf_dp.sampling.schemes import SamplingScheme, register_sampling
 from tf_dp.sampling.sources import ArraySource, DatasetSource, ExampleSource, graph_extras
@@ -222,10 +222,8 @@ class UserPoissonSampler(StepSampler):
         if physical_batch_size is None:
             physical_batch_size = choose_physical_batch_size(self.num_users, self.sampling_rate)
         self.physical_batch_size = _checks.positive_int("physical_batch_size", physical_batch_size)
-        if secure and seed is not None:
-            raise ValueError("secure sampling draws from the OS; it accepts no `seed`.")
         self.secure = secure
-        self.seed = None if secure else int(np.random.SeedSequence(seed).entropy) % 2**64
+        self.seed = stream_seed(seed, secure)
         self.chunk_multiple = _checks.positive_int("chunk_multiple", chunk_multiple)
         self.next_step = 0
         self._order, self._start, self._count = self._secret_order(users)
