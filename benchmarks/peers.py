@@ -1,14 +1,14 @@
 """ms/step of tf_dp against peer DP libraries, same model, same batch, same run.
 
-Each peer runs in its own interpreter (tensorflow-privacy and Opacus in the venvs made by
-benchmarks/peers_setup.sh, tf_dp in the interpreter running this script). Every worker
+Each peer runs in its own interpreter (tensorflow-privacy, Opacus and jax_privacy in the venvs
+made by benchmarks/peers_setup.sh, tf_dp in the interpreter running this script). Every worker
 builds its model, warms up (traces/compiles) and then waits; the driver asks the workers
 in turn, round after round, to time `--steps` steps, rotating the order each round so that
 no worker always runs first or last on a shared machine. Only one worker runs at a time.
 The figure reported per worker is the median over rounds; the ratio to tf_dp is the median
 of per-round ratios.
 
-    bash benchmarks/peers_setup.sh                         # once: /tmp/venv_tfp, /tmp/venv_opacus
+    bash benchmarks/peers_setup.sh                         # once: /tmp/venv_tfp, /tmp/venv_opacus, /tmp/venv_jaxp
     python benchmarks/peers.py                             # MLP and CNN, batch 256
     python benchmarks/peers.py --models=mlp --rounds=9 --cpus=0,1
     python benchmarks/peers.py --models=transformer      # the transformer of benchmarks/step_time.py
@@ -45,10 +45,12 @@ flags.DEFINE_integer("rounds", 7, "Alternating rounds.")
 flags.DEFINE_integer("steps", 30, "Steps per timing (at most; fewer for slow workers, see --timing_seconds).")
 flags.DEFINE_float("timing_seconds", 1.5, "A worker whose warm step is slow times max(2, this / step time) steps "
                    "per round instead of --steps.")
-flags.DEFINE_integer("threads", 0, "If > 0, intra-op threads of TF and torch (inter-op 1 then). 0: defaults.")
+flags.DEFINE_integer("threads", 0, "If > 0, intra-op threads of TF and torch (inter-op 1 then); 1 also makes XLA's CPU "
+                     "runtime single-threaded in the JAX workers (other values leave JAX at its default). 0: defaults.")
 flags.DEFINE_integer("warmup", 5, "Warm-up steps (tracing/compilation) before any timing.")
 flags.DEFINE_string("tfp_python", "/tmp/venv_tfp/bin/python", "Interpreter of the tensorflow-privacy venv.")
 flags.DEFINE_string("opacus_python", "/tmp/venv_opacus/bin/python", "Interpreter of the Opacus venv.")
+flags.DEFINE_string("jaxp_python", "/tmp/venv_jaxp/bin/python", "Interpreter of the jax_privacy venv.")
 flags.DEFINE_string("cpus", "", "If set, run every worker under `taskset -c CPUS`.")
 flags.DEFINE_string("output", "benchmarks/results/peers/peers.json", "Where to write the JSON results.")
 flags.DEFINE_bool("run_unsupported", False, "Also start the (worker, model) pairs of UNSUPPORTED.")
@@ -83,6 +85,13 @@ WORKERS = {
                                "norm sampler; the others, e.g. the transformer's LayerNorm, through per-sample "
                                "gradients: see ghost_fallback)"),
     "torch_plain": ("opacus", "plain PyTorch SGD step on the Opacus workers' modules (non-private reference)"),
+    "jaxp_keras": ("jaxp", "jax_privacy 2.0 keras_api.make_private on the same Keras 3 model, JAX backend (jit): "
+                           "per-example gradients by jax.vmap over the whole batch (microbatch_size=None), clipped "
+                           "each to C, rescale_to_unit_norm=False, Gaussian noise std sigma*C on the sum, divided by "
+                           "the batch size; noise_multiplier given (no calibration); train_on_batch, which its "
+                           "fit-time budget check does not wrap"),
+    "jax_plain": ("jaxp", "plain Keras 3 SGD step on the JAX backend (jit) in the jax_privacy venv (non-private "
+                          "reference)"),
 }
 # (worker, model) pairs not started (recorded as failed with the reason) unless --run_unsupported.
 _JACOBIAN_OOM = ("not started (--run_unsupported starts it): its tape.jacobian over 256 microbatches back-propagates "
@@ -91,7 +100,7 @@ _JACOBIAN_OOM = ("not started (--run_unsupported starts it): its tape.jacobian o
                  "the next worker started (24 GB machine, workers alive side by side)")
 UNSUPPORTED = {("tfp_dpsgd", "transformer"): _JACOBIAN_OOM, ("tfp_vec", "transformer"): _JACOBIAN_OOM}
 DEFAULT_WORKERS = ["tf_dp", "keras_plain", "tfp_dpsgd", "tfp_vec", "tfp_fast", "tfp_fast_noxla", "tfp_plain",
-                   "opacus_hooks", "opacus_ghost", "torch_plain"]
+                   "opacus_hooks", "opacus_ghost", "torch_plain", "jaxp_keras", "jax_plain"]
 
 
 # ----------------------------------------------------------------------------- workers
@@ -293,9 +302,56 @@ def _opacus_worker(name, model, batch):
     return step, info
 
 
+def _jax_environment():
+    """Keras 3 on the JAX backend, on the CPU; with --threads=1, XLA's CPU runtime single-threaded.
+    Set before keras or jax is imported (the worker's interpreter has imported neither)."""
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if FLAGS.threads == 1:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
+                                   "intra_op_parallelism_threads=1").strip()
+
+
+def _jaxp_private(m, batch):
+    """``m`` made private by jax_privacy's Keras API with the benchmark's C, σ and batch."""
+    from jax_privacy import keras_api
+    # ε and train_steps only gate fit() (train_on_batch is not wrapped): ε is set far above what
+    # 10,000 steps at σ = 1 spend, so the given σ passes DPKerasConfig's check unchanged.
+    config = keras_api.DPKerasConfig(
+        epsilon=1000.0, delta=1e-5, clipping_norm=L2_NORM_CLIP, batch_size=batch, gradient_accumulation_steps=1,
+        train_steps=10_000, train_size=60_000, noise_multiplier=NOISE_MULTIPLIER, rescale_to_unit_norm=False,
+        microbatch_size=None)
+    return keras_api.make_private(m, config)
+
+
+def _jaxp_worker(name, model, batch):
+    _jax_environment()
+    import jax
+    import keras
+    from importlib import metadata
+    x, y = _data(model, batch)
+    inputs, out = _keras_graph(keras, model)
+    m = keras.Model(inputs, out)
+    info = {"jax": jax.__version__, "keras": keras.__version__, "backend": keras.config.backend(),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    if name == "jaxp_keras":
+        info["jax_privacy"] = metadata.version("jax_privacy")
+        m = _jaxp_private(m, batch)
+    m.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    info["params"] = m.count_params()
+    first = m.trainable_variables[0]
+
+    def step():
+        m.train_on_batch(x, y)
+        first.value.block_until_ready()  # the update dispatched asynchronously has run
+
+    return step, info
+
+
 def run_worker(name, model, batch, warmup):
     kind = WORKERS[name][0]
-    build = {"main": _main_worker, "tfp": _tfp_worker, "opacus": _opacus_worker}[kind]
+    build = {"main": _main_worker, "tfp": _tfp_worker, "opacus": _opacus_worker, "jaxp": _jaxp_worker}[kind]
     try:
         step, info = build(name, model, batch)
         for i in range(warmup):  # a slow worker (> 1 s/step) stops warming up after 2 steps
@@ -325,7 +381,8 @@ class Worker:
     def __init__(self, name, model):
         self.name, self.model = name, model
         kind = WORKERS[name][0]
-        python = {"main": sys.executable, "tfp": FLAGS.tfp_python, "opacus": FLAGS.opacus_python}[kind]
+        python = {"main": sys.executable, "tfp": FLAGS.tfp_python, "opacus": FLAGS.opacus_python,
+                  "jaxp": FLAGS.jaxp_python}[kind]
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
             p for p in [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         os.environ.get("PYTHONPATH", "")] if p))

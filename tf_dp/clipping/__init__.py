@@ -18,11 +18,13 @@ from tf_dp.clipping.norms import per_example_gradient_norms
 from tf_dp.clipping.per_example import per_example_gradients
 from tf_dp.clipping.policy import (ClippingPolicy, FlatClip, Normalized, PerLayer, register_clipping,
                                    resolve_clipping)
-from tf_dp.clipping.registry import Contribution, GhostRule, Recording, ghost_rule_for, register_ghost_rule
+from tf_dp.clipping.registry import (Contribution, GhostRule, LayerRegistry, Recording, default_layer_registry,
+                                     ghost_rule_for, register_ghost_rule)
 
 __all__ = [
     "AdaptiveClip", "ClippingPolicy", "FlatClip", "Normalized", "PerLayer", "register_clipping", "resolve_clipping",
     "CURRENT_WEIGHTS", "ENGINES", "ClippedBatch", "EvaluationPoint", "forward", "Contribution", "GhostRule",
-    "Recording", "clip_factors", "clipped_gradient_sum", "ghost_rule_for", "per_example_gradient_norms",
+    "LayerRegistry", "Recording", "clip_factors", "default_layer_registry", "clipped_gradient_sum", "ghost_rule_for",
+    "per_example_gradient_norms",
     "per_example_gradients", "register_ghost_rule",
 ]

@@ -34,7 +34,7 @@ from tf_dp.clipping.layer_per_example import MaterializedContribution, squared_r
 from tf_dp.clipping.per_example import per_example_gradients, total_embedding_lookups
 from tf_dp.clipping.policy import ClippingPolicy, FlatClip, resolve_clipping
 from tf_dp.clipping.rounding import FLOAT32_MAX, round_down_to_float32
-from tf_dp.clipping.registry import unit_variables
+from tf_dp.clipping.registry import LayerRegistry, as_layer_registry, unit_variables
 from tf_dp.clipping.tap import LayerTap
 
 ENGINES = ("ghost", "vectorized")
@@ -209,14 +209,15 @@ def as_graph_inputs(x):
 
 @traced
 def _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, use_ghost_rules=True,
-           clipping: ClippingPolicy = FLAT) -> ClippedBatch:
+           clipping: ClippingPolicy = FLAT, layer_registry: Optional[LayerRegistry] = None) -> ClippedBatch:
     # Every point's forward pass records into the same taps; a layer's recordings are
     # concatenated along its sequence axis, so the cross terms between points (and
     # between repeated calls of a shared layer) enter the per-example norm exactly.
     x = as_graph_inputs(x)
     units = _trainable_units(model)
     group_of = _group_of_layer(clipping, units)
-    tap = LayerTap(units, use_ghost_rules=use_ghost_rules, batch_size=examples_of(mask), batch_inputs=x)
+    tap = LayerTap(units, use_ghost_rules=use_ghost_rules, batch_size=examples_of(mask), batch_inputs=x,
+                   layer_registry=layer_registry)
     with tap:
         with tf.GradientTape() as tape:
             for point in points:  # weight tensors, unlike variables, are not watched by default
@@ -377,6 +378,7 @@ def clipped_gradient_sum(
     points: Sequence[EvaluationPoint] = CURRENT_WEIGHTS,
     clipping: Optional[ClippingPolicy] = FLAT,
     views: AugmentationViews = ONE_VIEW,
+    layer_registry: Optional[LayerRegistry] = None,
 ) -> ClippedBatch:
     """Σ_i mask_i · c_i · u_i over the batch, with the per-example observation
     u_i = Σ_k a_k ∇ℓ(θ_k; x_i) (u_i = g_i for DP-SGD) flat over ``model.trainable_variables``;
@@ -397,6 +399,8 @@ def clipped_gradient_sum(
         the flat ‖u_i‖² (upper bounds) whatever the policy.
       views: the views of each unit on x (and y), averaged before clipping
         (docs/algorithms.md §8, §11); the train step passes its plan's.
+      layer_registry: the ``LayerRegistry`` whose ghost rules the layers take (None: the
+        default one; ``engine="vectorized"`` uses none).
 
     Returns:
       A ClippedBatch: Σ_i c_i^k u_i^k per trainable variable, predictions, per-example
@@ -406,7 +410,8 @@ def clipped_gradient_sum(
     points = with_views(points, views)
     x, y, mask = tf.nest.map_structure(tf.convert_to_tensor, (x, y, mask))  # numpy arrays (labels) too
     if engine == "ghost":
-        return _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, clipping=clipping)
+        return _ghost(model, per_example_loss, x, y, mask, l2_norm_clip, points, clipping=clipping,
+                      layer_registry=as_layer_registry(layer_registry))
     if engine == "vectorized":
         return _vectorized(model, per_example_loss, x, y, mask, l2_norm_clip, points, clipping=clipping)
     raise ValueError(f"`engine` must be one of {ENGINES}, got {engine!r}.")

@@ -24,7 +24,7 @@ from tf_dp.clipping.policy import ClippingPolicy
 
 
 def per_example_gradient_norms(model, loss: Callable, x, y, engine: str = "ghost",
-                               sample_weight=None, class_weight: Optional[dict] = None):
+                               sample_weight=None, class_weight: Optional[dict] = None, layer_registry=None):
     """Per-example gradient norms [B] of the training loss at the model's current weights
     (training mode), in total and per layer owning trainable variables.
 
@@ -38,6 +38,7 @@ def per_example_gradient_norms(model, loss: Callable, x, y, engine: str = "ghost
       sample_weight: optional weights w_i ([B]) or w_it ([B, T]), as ``fit`` takes them:
         ℓ_i = Σ_t w_it ℓ_it / T (docs/algorithms.md §1.2, tf_dp.models.losses).
       class_weight: optional {class index: weight}, as ``fit`` takes it: w_i = cw[y_i].
+      layer_registry: the ``LayerRegistry`` whose ghost rules are used (None: the default).
 
     Returns:
       (total, per_layer): ``total`` [B] float32, √ of the squared norms training clips
@@ -52,7 +53,7 @@ def per_example_gradient_norms(model, loss: Callable, x, y, engine: str = "ghost
     def norms(x, targets):
         examples = tf.shape(tf.nest.flatten(x)[0])[0]
         clipped = clipped_gradient_sum(model, training_loss, x, targets, tf.ones([examples]), 1.0, engine=engine,
-                                       clipping=recorder)
+                                       clipping=recorder, layer_registry=layer_registry)
         return clipped.squared_norms, recorder.squared_norms
 
     # One graph: the taps read the example axis off the traced graph (example_axis.py).

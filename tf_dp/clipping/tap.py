@@ -43,7 +43,7 @@ from keras.src.backend.common import variables as keras_variables
 
 from tf_dp.clipping.example_axis import BatchDependence, Dependence, broadcast_uses
 from tf_dp.clipping.layer_per_example import LayerPerExampleRule
-from tf_dp.clipping.registry import GhostRule, resolve_rule
+from tf_dp.clipping.registry import GhostRule, as_layer_registry
 
 BATCHED, BATCH_FREE, MIXED = "batched", "batch-free", "mixed"
 
@@ -54,12 +54,15 @@ class LayerTap:
     ``batch_size``: the number of examples B (a scalar tensor or int); when None, taken from
     the first tapped call that carries an example axis. ``batch_inputs``: the model's inputs x
     (graph tensors), which decide which arguments carry the example axis; None (inspection
-    only, e.g. listing a model's replayed layers) takes every tensor of rank ≥ 1 as batched."""
+    only, e.g. listing a model's replayed layers) takes every tensor of rank ≥ 1 as batched.
+    ``layer_registry``: the ``LayerRegistry`` whose rules the layers take (None: the default)."""
 
-    def __init__(self, layers, use_ghost_rules: bool = True, batch_size=None, batch_inputs=None):
+    def __init__(self, layers, use_ghost_rules: bool = True, batch_size=None, batch_inputs=None,
+                 layer_registry=None):
         self.fallback = LayerPerExampleRule(self)
+        registry = as_layer_registry(layer_registry)
         self.units: list[tuple[object, GhostRule]] = [
-            (layer, (resolve_rule(layer) if use_ghost_rules else None) or self.fallback) for layer in layers
+            (layer, (registry.resolve(layer) if use_ghost_rules else None) or self.fallback) for layer in layers
         ]
         self.recordings = {id(layer): [] for layer, _ in self.units}
         self.replayed = set()  # ids of layers with a call their rule does not model

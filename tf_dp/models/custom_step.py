@@ -408,7 +408,8 @@ def _clipped_sums(owner, model, inputs, mask, points):
         take = lambda t: tf.gather(t, index)  # noqa: E731
         rows = take(mask)
         result = clipped_gradient_sum(model, _objective_losses, tf.nest.map_structure(take, inputs), rows, rows,
-                                      clip, engine=engine, points=points, clipping=clipping)
+                                      clip, engine=engine, points=points, clipping=clipping,
+                                      layer_registry=owner._dp.get("layer_registry"))
         sums, norms, total, nonfinite = totals
         real = tf.where(tf.cast(rows, tf.bool), tf.cast(result.losses, tf.float32), 0.0)
         return ([s + c for s, c in zip(sums, result.clipped_sums)], norms.write(index, result.squared_norms),

@@ -21,6 +21,7 @@ from tf_dp.accounting import ACCOUNTANTS, PrivacyLedger
 from tf_dp.accounting.budget import StepLimit
 from tf_dp.accounting.callbacks import PrivacyBudget
 from tf_dp.clipping import ENGINES
+from tf_dp.clipping.registry import as_layer_registry
 from tf_dp.models.custom_step import CustomTraining, keras_tensors_given, objective_loss, refuse_own_training_logic
 from tf_dp.models.fitting import DPFitting
 from tf_dp.models.plan import StepPlan
@@ -153,6 +154,7 @@ class DPModelMixin(CustomTraining, DPTrainStep, DPFitting, PrivacyReporting):
         accountant: str = "rdp",
         target_epsilon: Optional[float] = None,
         clipping_engine: str = "ghost",
+        layer_registry=None,
         private_logs: bool = False,
         jit_compile="auto",
         **kwargs,
@@ -168,6 +170,8 @@ class DPModelMixin(CustomTraining, DPTrainStep, DPFitting, PrivacyReporting):
           target_epsilon: if set, ``fit`` calibrates σ so that all training so far plus the
             planned epochs meets this ε, and stops rather than exceed it.
           clipping_engine: "ghost" (fast, default) or "vectorized" (reference).
+          layer_registry: the ``tf_dp.clipping.LayerRegistry`` whose ghost rules this model's
+            layers take (None: the one ``make_private`` was given, else the default one).
           private_logs: True makes ``fit`` log only ε (and the public noise scale) plus
             validation metrics: no train loss, metrics or non-finite count, which are exact
             functions of the private batches and outside ε. For logs that leave the trainer.
@@ -193,6 +197,8 @@ class DPModelMixin(CustomTraining, DPTrainStep, DPFitting, PrivacyReporting):
             "accountant": _checks.one_of("accountant", accountant, ACCOUNTANTS),
             "target_epsilon": None if target_epsilon is None else _checks.positive("target_epsilon", target_epsilon),
             "engine": _checks.one_of("clipping_engine", clipping_engine, ENGINES),
+            "layer_registry": as_layer_registry(self._untracked.__dict__.get("layer_registry") if layer_registry is None
+                                                else layer_registry),
             "private_logs": _checks.boolean("private_logs", private_logs),
         }
         self._dp_loss = objective_loss(self, loss, kwargs.get("loss_weights"), _output_names(self))
@@ -357,13 +363,15 @@ def _private_sequential(model: keras.Sequential) -> "DPSequential":
     return DPSequential(list(model._layers), trainable=model.trainable, name=f"{model.name}_private")
 
 
-def make_private(model: keras.Model) -> DPModel:
+def make_private(model: keras.Model, *, layer_registry=None) -> DPModel:
     """A DP model over the same layers (and so the same weights) as a functional or
     Sequential Keras model: a DPModel for a functional model, a DPSequential for a
     Sequential (built or not).
 
     Args:
       model: a functional or Sequential Keras model (a DP model is returned as is).
+      layer_registry: a ``tf_dp.clipping.LayerRegistry`` its ``compile`` uses unless given
+        another (None: the default one).
 
     Returns:
       The DP model.
@@ -371,6 +379,13 @@ def make_private(model: keras.Model) -> DPModel:
     Raises:
       TypeError: ``model`` is not a Keras model, or is a subclassed one.
     """
+    private = _private_model(model)
+    if layer_registry is not None:
+        private._untracked.layer_registry = as_layer_registry(layer_registry)
+    return private
+
+
+def _private_model(model: keras.Model) -> DPModel:
     if isinstance(model, DPModelMixin):
         return model
     if not isinstance(model, keras.Model):

@@ -268,7 +268,7 @@ class DPTrainStep:
         loss = objective.per_example_loss(self._dp_loss)
         result = clipped_gradient_sum(self, loss, x, y, mask, clip, engine=self._dp["engine"],
                                       points=points, clipping=getattr(self.optimizer, "clipping", None),
-                                      views=self.step_plan.views)
+                                      views=self.step_plan.views, layer_registry=self._dp.get("layer_registry"))
         if not self._dp["private_logs"]:
             self._track_train_metrics(x, y, mask, result, objective)
         sums, nonfinite, norms = totals
