@@ -2,14 +2,16 @@
 # Creates the peer virtualenvs used by benchmarks/peers.py. Nothing is installed into the
 # interpreter that runs tf_dp: each peer lives in its own venv under $PEERS_VENV_ROOT (/tmp).
 #
-#   bash benchmarks/peers_setup.sh            # both peers
+#   bash benchmarks/peers_setup.sh            # all three peers
 #   bash benchmarks/peers_setup.sh tfp        # tensorflow-privacy only
 #   bash benchmarks/peers_setup.sh opacus     # Opacus only
+#   bash benchmarks/peers_setup.sh jaxp       # jax_privacy (Keras 3 on JAX, CPU) only
+# A venv root inside the repository is ignored by git (.gitignore: venv_*/).
 set -euo pipefail
 ROOT="${PEERS_VENV_ROOT:-/tmp}"
 PY="${PEERS_PYTHON:-python3.11}"
 which "$PY" >/dev/null 2>&1 || PY=python3
-targets=("${@:-tfp opacus}")
+targets=("${@:-tfp opacus jaxp}")
 targets=(${targets[@]})
 
 setup_tfp() {
@@ -36,10 +38,21 @@ setup_opacus() {
   "$v/bin/pip" freeze > "$v/freeze.txt"
 }
 
+setup_jaxp() {
+  # jax_privacy 2.0's keras_api needs Keras 3 on the JAX backend; PyPI's jax/jaxlib wheels run on
+  # the CPU (jax[cpu] pulls no CUDA plugin). peers.py sets KERAS_BACKEND=jax in the worker.
+  local v="$ROOT/venv_jaxp"
+  "$PY" -m venv "$v"
+  "$v/bin/pip" install -q --upgrade pip
+  "$v/bin/pip" install -q "jax_privacy>=2.0,<3" "jax[cpu]" "keras>=3" "numpy" "absl-py"
+  "$v/bin/pip" freeze > "$v/freeze.txt"
+}
+
 for t in "${targets[@]}"; do
   case "$t" in
     tfp) setup_tfp ;;
     opacus) setup_opacus ;;
-    *) echo "unknown target $t (tfp|opacus)" >&2; exit 2 ;;
+    jaxp) setup_jaxp ;;
+    *) echo "unknown target $t (tfp|opacus|jaxp)" >&2; exit 2 ;;
   esac
 done
