@@ -155,8 +155,9 @@ PEERS = "peers/peers_threads1.json"
 WORKERS = [("tf_dp", "tf_dp"), ("tfp_fast_noxla", "tfp fast clipping, no XLA"),
            ("tfp_fast", "tfp fast clipping, XLA"), ("tfp_dpsgd", "tfp DPKerasSGDOptimizer"),
            ("tfp_vec", "tfp vectorized"), ("opacus_ghost", "Opacus ghost"), ("opacus_hooks", "Opacus hooks"),
-           ("keras_plain", "plain Keras 3"), ("tfp_plain", "plain tf-keras (TF 2.15)"),
-           ("torch_plain", "plain PyTorch")]
+           ("jaxp_keras", "jax_privacy keras_api (JAX)"), ("keras_plain", "plain Keras 3"),
+           ("tfp_plain", "plain tf-keras (TF 2.15)"), ("torch_plain", "plain PyTorch"),
+           ("jax_plain", "plain Keras 3 on JAX")]
 
 
 def t_peers():
@@ -167,7 +168,8 @@ def t_peers():
     def fmt(r):
         return "–" if r is None else ("failed" if r.get("error") else ms(r["ms_per_step"]))
 
-    rows = [[label, *(fmt(cell.get((m, w))) for m in models)] for w, label in WORKERS]
+    measured = {r["worker"] for r in results}  # a worker added since the file was measured has no row yet
+    rows = [[label, *(fmt(cell.get((m, w))) for m in models)] for w, label in WORKERS if w in measured]
     return table(["ms per step, batch 256", *models], rows), [PEERS]
 
 
