@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 
 from tf_dp import _checks, streams
+from tf_dp.accounting.bandmf import cyclic_poisson_phase_event
 from tf_dp.sampling.poisson import StepSampler, _uniforms, choose_physical_batch_size, chunk, stream_seed
 from tf_dp.sampling.schemes import SamplingScheme, register_sampling
 
@@ -128,6 +129,8 @@ class CyclicPoissonSampling(SamplingScheme):
     """
 
     num_bands: int = 1
+    event = staticmethod(cyclic_poisson_phase_event)  # BandMF's segment event (docs/algorithms.md §10.3)
+    whole_segments = True
 
     def __post_init__(self):
         _checks.positive_int("num_bands", self.num_bands)

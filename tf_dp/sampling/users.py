@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp import _checks, streams
+from tf_dp.accounting import events
 from tf_dp.sampling.poisson import (PAD_INDEX, StepSampler, stream_seed, _uniforms, choose_physical_batch_size,
                                     sample_poisson_batch)
 from tf_dp.sampling.schemes import SamplingScheme, register_sampling
@@ -287,6 +288,8 @@ class UserPoissonSampling(SamplingScheme):
     user_index: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
     examples_per_user: int = 1
     FIT_ARGUMENTS = ("user_ids", "examples_per_user")
+    event = staticmethod(events.user_poisson_event)  # DP-SGD's event over users (§11)
+    unit = "user"
 
     @classmethod
     def for_fit(cls, num_examples: int, batch_size: int, user_ids=None, examples_per_user=None):
