@@ -14,7 +14,8 @@ reloaded ledger holds (``tf_dp.accounting.events.declare_events``).
 Add a scheme: subclass ``SamplingScheme``, decorate it with ``@register_sampling("name")``,
 give its sampler the interface of ``tf_dp.sampling.PoissonSampler`` (``physical_batch_size``,
 ``batch(step) -> (indices, mask)``, a function of a secret seed and the step only), declare
-its event (``event = staticmethod(fn)``, and ``ledger_code`` if its name is new), and test its batches' distribution and its ε against dp_accounting.
+its event (``event = staticmethod(fn)``, and ``ledger_code`` if its name is new), and test
+its batches' distribution and its ε against dp_accounting.
 """
 
 from __future__ import annotations
