@@ -78,6 +78,9 @@ def test_release_sum_stream_is_distinct_from_the_gradient_noise():
         optimizer.apply_private_gradients([tf.zeros([50_000])], [variable], 1.0, dp_step=tf.constant(2, tf.int64))
     gradient_noise = -variable.numpy() / 0.1  # SGD: θ ← θ − η·z
     assert abs(np.corrcoef(histogram, gradient_noise)[0, 1]) < 6 / math.sqrt(50_000)
+    report = optimizer.noise_report()  # what reports read: public values, no key
+    assert set(report) == {"noise_multiplier", "clip_bound", "averaged_noise_stddev"}
+    assert float(report["averaged_noise_stddev"]) == pytest.approx(1.0 * 1.0 / 1.0)  # σ·C/L
 
 
 def _raco_noise(histogram_noise, steps, groups=8, classes=10):
