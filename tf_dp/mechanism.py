@@ -38,6 +38,8 @@ class FixedBatches:
     ledger_parameter = 0.0
     new_segment = False
     description = "explicit batches (train_on_batch, a batched dataset)"
+    event = staticmethod(events.batches_event)  # T × Gaussian(σ), no amplification (§7.1)
+    whole_segments = False
 
     @property
     def declared_batch_size(self) -> float:
@@ -112,16 +114,21 @@ class DPMechanism:
     def accounted_whole(self) -> bool:
         """Whether a segment of this scheme is accounted whole, by its steps' positions (a
         restored ledger then continues as a new segment, and a blocked step stops training)."""
+        if getattr(self.scheme, "event", None) is not None:  # the part declares it
+            return bool(getattr(self.scheme, "whole_segments", False))
         return events.is_segmented(self.scheme.ledger_scheme)
 
     def event(self, phase: events.Phase) -> dp_event.DpEvent:
-        """The dp_accounting event of a ledger phase this mechanism ran.
+        """The dp_accounting event of a ledger phase this mechanism ran, asked of its sampling
+        part (the event the scheme declares; the one registered under its name for a plug-in
+        that registers by name). The part registered the same builder under its ledger name, so
+        a reloaded ledger composes the same event (``events.declare_events``).
 
         Args:
           phase: a ``tf_dp.accounting.Phase`` of this mechanism's ledger scheme.
 
         Returns:
-          The phase's event (the one its scheme registered).
+          The phase's event.
 
         Raises:
           ValueError: the phase is of another scheme.
@@ -129,4 +136,4 @@ class DPMechanism:
         if phase.scheme != self.scheme.ledger_scheme:
             raise ValueError(f"A phase of {phase.scheme!r} is not one of this mechanism's "
                              f"({self.scheme.ledger_scheme!r}).")
-        return events.phase_event(phase)
+        return events.phase_event(phase, getattr(self.scheme, "event", None))

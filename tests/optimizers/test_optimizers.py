@@ -88,7 +88,7 @@ def test_two_steps_draw_different_noise_and_seed_reproduces(jit_compile):
 def test_unseeded_optimizers_draw_fresh_noise():
     a = tf_dp.DPSGD(0.1, noise_multiplier=1.0)
     b = tf_dp.DPSGD(0.1, noise_multiplier=1.0)
-    assert a.seed is None and not np.array_equal(a.noise_key().numpy(), b.noise_key().numpy())
+    assert a.seed is None and not np.array_equal(a._noise_key().numpy(), b._noise_key().numpy())
 
 
 def test_poisson_step_divides_by_expected_not_realized_batch_size():

@@ -67,7 +67,7 @@ def test_no_artifact_contains_the_noise_key_or_seed(tmp_path, seed):
     x, y = data()
     model = model_with(tf_dp.DPSGD(0.1, noise_multiplier=1.0, seed=seed))
     model.fit(x, y, batch_size=20, epochs=1, verbose=0, sampling_seed=424242424242)
-    key = int(model.optimizer.noise_key().numpy())
+    key = int(model.optimizer._noise_key().numpy())
     model.save(tmp_path / "model.keras")
     model.save_weights(tmp_path / "model.weights.h5")
     tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(tmp_path / "checkpoint" / "ckpt"))
@@ -78,7 +78,7 @@ def test_no_artifact_contains_the_noise_key_or_seed(tmp_path, seed):
         assert str(secret).encode() not in blob, f"{secret} found as text"
     loaded = keras.models.load_model(tmp_path / "model.keras")
     assert loaded.optimizer.seed is None
-    assert int(loaded.optimizer.noise_key().numpy()) != key  # a resumed run draws a fresh key
+    assert int(loaded.optimizer._noise_key().numpy()) != key  # a resumed run draws a fresh key
 
 
 def test_a_seed_passed_again_reproduces_the_noise():

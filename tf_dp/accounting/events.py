@@ -163,12 +163,15 @@ def registered_schemes() -> tuple[str, ...]:
     return tuple(sorted(_EVENTS))
 
 
-def phase_event(phase: Phase) -> dp_event.DpEvent:
+def phase_event(phase: Phase, declared: EventBuilder | None = None) -> dp_event.DpEvent:
     """The DpEvent of one phase: ``NoOpDpEvent`` without steps, ``NonPrivateDpEvent`` at σ = 0
-    (ε = ∞), else the scheme's registered event.
+    (ε = ∞), else the event its part declared (``declared``, what ``DPMechanism.event`` passes),
+    or the one registered under its scheme name (a reloaded ledger holds names only; the parts
+    registered their declared events under those names: ``declare_events``).
 
     Args:
       phase: a ledger ``Phase`` (scheme, sampling rate, σ, steps, ...).
+      declared: the event builder the running mechanism's part declares, or None.
 
     Returns:
       The phase's ``dp_accounting`` DpEvent.
@@ -180,6 +183,8 @@ def phase_event(phase: Phase) -> dp_event.DpEvent:
         return dp_event.NoOpDpEvent()
     if phase.noise_multiplier == 0:
         return dp_event.NonPrivateDpEvent()
+    if declared is not None:
+        return declared(phase)
     if phase.scheme not in _EVENTS:
         raise ValueError(f"No accounting event is registered for sampling scheme {phase.scheme!r} (registered: "
                          f"{list(registered_schemes())}); import the package that defines it before computing ε.")
@@ -203,6 +208,37 @@ def composed_event(phases: Sequence[Phase]) -> dp_event.DpEvent:
     return dp_event.ComposedDpEvent(events) if events else dp_event.NoOpDpEvent()
 
 
+def declare_events(part) -> None:
+    """Registers the accounting event a part DECLARES under its ledger name, so that a reloaded
+    ledger (which holds scheme names only) composes the very events the running mechanism asked
+    its part for (docs/algorithms.md A.1).
+
+    A part (a sampling scheme class) declares ``event`` (``fn(phase) -> DpEvent``, or None when
+    its event is registered by name elsewhere), ``ledger_code`` (None: a code reserved in
+    ``SCHEME_CODES``), ``whole_segments`` and ``unit``, and is named by ``name``.
+
+    Args:
+      part: the part's class.
+    """
+    builder = getattr(part, "event", None)
+    if builder is not None:
+        register_event(part.name, code=getattr(part, "ledger_code", None),
+                       whole_segments=bool(getattr(part, "whole_segments", False)),
+                       unit=getattr(part, "unit", "example"))(builder)
+
+
+def declared_event(part) -> EventBuilder | None:
+    """The event builder ``part`` declares, or the one registered under its ledger name.
+
+    Args:
+      part: a sampling scheme (or ``tf_dp.mechanism.FixedBatches``), class or instance.
+
+    Returns:
+      ``fn(phase) -> DpEvent``, or None if neither exists.
+    """
+    return getattr(part, "event", None) or _EVENTS.get(getattr(part, "ledger_scheme", None))
+
+
 def _merge_segments(phases: list[Phase]) -> list[Phase]:
     """Consecutive phases of one segment of a ``whole_segments`` scheme → one phase with
     their total steps at the smallest σ (more noise on some steps is post-processing of a
@@ -220,21 +256,21 @@ def _merge_segments(phases: list[Phase]) -> list[Phase]:
 
 
 @register_event("poisson")
-def _poisson_event(phase: Phase) -> dp_event.DpEvent:
+def poisson_event(phase: Phase) -> dp_event.DpEvent:
     """T × PoissonSampled(q, Gaussian(σ)) (docs/algorithms.md §1)."""
     step = dp_event.PoissonSampledDpEvent(phase.sampling_rate, dp_event.GaussianDpEvent(phase.noise_multiplier))
     return dp_event.SelfComposedDpEvent(step, phase.steps)
 
 
 @register_event("user_poisson", unit="user")
-def _user_poisson_event(phase: Phase) -> dp_event.DpEvent:
+def user_poisson_event(phase: Phase) -> dp_event.DpEvent:
     """T × PoissonSampled(q_u, Gaussian(σ)) over users, q_u = L_u/N_u: one clip per user
     bounds every user's contribution to the sum by C (docs/algorithms.md §11)."""
-    return _poisson_event(phase)
+    return poisson_event(phase)
 
 
 @register_event("batches")
-def _batches_event(phase: Phase) -> dp_event.DpEvent:
+def batches_event(phase: Phase) -> dp_event.DpEvent:
     """T × Gaussian(σ): batches tf_dp did not sample, each may hold any example (§7.1)."""
     return dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(phase.noise_multiplier), phase.steps)
 

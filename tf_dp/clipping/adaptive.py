@@ -15,7 +15,7 @@ C_t, noise σ_Δ·C_t), the pair is one Gaussian mechanism of multiplier σ with
 pays with σ_Δ > σ.
 
 The count noise is drawn from Philox keyed by the run's noise key at the DP step, on stream
-``COUNT_STREAM`` (−2; see tf_dp/noise/gaussian.py), which no Gaussian gradient draw (streams ≥ 0)
+``COUNT_STREAM`` (−2, allocated in tf_dp/streams.py), which no Gaussian gradient draw (streams ≥ 0)
 and no Laplace draw (−1) uses. Under R > 1 tf.distribute replicas the count is GLOBAL: replica r
 adds a share N(0, σ_b²/R) on stream ``count_stream(r, R)`` to its own chunks' count and one
 all-reduce sums counts and shares, so every replica updates C from the same noisy global count
@@ -30,10 +30,10 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
-from tf_dp import _checks
+from tf_dp import _checks, streams
 from tf_dp.noise.gaussian import draw_seed
 
-COUNT_STREAM = -2  # Philox stream of the count noise: Gaussian gradient streams are ≥ 0, Laplace's −1
+COUNT_STREAM = streams.ADAPTIVE_COUNT.code  # Philox stream of the count noise (allocated in tf_dp.streams)
 DEFAULT_COUNT_STDDEV_FRACTION = 1.0 / 20.0  # σ_b = L/20 (Andrew et al. 2021)
 
 
@@ -203,8 +203,10 @@ class AdaptiveClip:
 
 def count_stream(replica, replicas: int) -> tf.Tensor:
     """The Philox stream of replica r's share of the count noise under R > 1 replicas:
-    −(2⁴⁰ + r·2²⁰ + R), unique per (r, R), below every other stream (Gaussian ≥ 0, Laplace −1,
-    the single-replica count −2, and the next free small negative codes)."""
+    −(2⁴⁰ + r·2²⁰ + R), unique per (r, R), within the range ``tf_dp.streams.ADAPTIVE_COUNT_SHARES``
+    (disjoint from every other allocated stream)."""
+    if not 1 <= replicas < 2**20:
+        raise ValueError(f"count_stream: {replicas} replicas; the allocated range holds fewer than 2^20.")
     return -(tf.constant(2**40, tf.int64) + tf.cast(replica, tf.int64) * 2**20 + replicas)
 
 

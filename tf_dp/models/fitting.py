@@ -172,7 +172,7 @@ class DPFitting:
         steps = steps_per_epoch or math.ceil(scheme.num_units / scheme.expected_batch_size)
         # Privacy callbacks go first so that user callbacks (TensorBoard, CSVLogger) see ε in the logs.
         callbacks = self._privacy_callbacks(scheme, steps * (epochs - initial_epoch)) + callbacks
-        self._open_phase(DPMechanism.of(self.optimizer, scheme))
+        plan = self._open_phase(DPMechanism.of(self.optimizer, scheme), plan=plan)
         if self.optimizer.secure_mode and sampling_seed is not None:
             raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
         steps_taken = StepsTaken(self.privacy_ledger, sampling_seed)
@@ -362,10 +362,12 @@ class DPFitting:
         if not isinstance(getattr(self, "optimizer", None), DPOptimizer) or self._dp_loss is None:
             raise RuntimeError(f"Compile the {type(self).__name__} with a tf_dp optimizer and a loss before training.")
 
-    def _open_phase(self, mechanism: DPMechanism, new_segment: Optional[bool] = None):
+    def _open_phase(self, mechanism: DPMechanism, new_segment: Optional[bool] = None, plan=None):
         """Records the phase ``mechanism`` runs in (a new segment if ``new_segment``; None: if the
-        mechanism's scheme starts one with every run)."""
-        self._mechanism, self._phase_arguments = mechanism, mechanism.ledger_arguments()
+        mechanism's scheme starts one with every run); the model's step plan (and ``plan``, fit's,
+        returned) holds the mechanism."""
+        self.step_plan = self.step_plan.replace(mechanism=mechanism)
+        self._phase_arguments = mechanism.ledger_arguments()
         new_segment = mechanism.new_segment if new_segment is None else new_segment
         sigma = self.optimizer.noise_multiplier
         if sigma is None:
@@ -381,6 +383,7 @@ class DPFitting:
         if new_segment and mechanism.privatizer is not None:
             mechanism.privatizer.reset(int(self.privacy_ledger.steps.numpy()))  # a new sampler: a fresh noise state
         self._ledger_after_execution = None  # the phase is recorded: nothing to compare until a step ran
+        return None if plan is None else plan.replace(mechanism=mechanism)
 
     def reopen_phase(self, ledger_replaced: bool = False):
         """Re-records the running phase before the first step (after a callback such as
@@ -393,7 +396,7 @@ class DPFitting:
             fresh noise buffer; docs/algorithms.md §10.3) the restored run continues as a NEW
             segment, ⌈T₁/b⌉ + ⌈T₂/b⌉ rounds, not the restored one's ⌈(T₁ + T₂)/b⌉.
         """
-        mechanism = getattr(self, "_mechanism", None)
+        mechanism = self.step_plan.mechanism
         if mechanism is None:
             return
         self._open_phase(mechanism, new_segment=ledger_replaced and mechanism.accounted_whole)

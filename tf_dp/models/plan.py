@@ -41,6 +41,11 @@ class StepPlan:
         train step receives (``data[name]``), for a per-example objective that reads
         more than x and y (tf_dp.models.objective). Data, compared by their names only
         (``extra_names``).
+      mechanism: the run's ``tf_dp.mechanism.DPMechanism`` (sampling scheme, privatizer,
+        clipping, clip bound), built and checked once per ``fit``/``train_on_batch``: what the
+        model and the budget ask about the running mechanism (its ledger phase, whether a
+        segment is accounted whole, the event of a phase). Not a constant of the trace: the
+        step reads nothing from it, so it is not compared (a new fit does not retrace).
     """
 
     ledger: object = None
@@ -50,6 +55,7 @@ class StepPlan:
     sample_weight_layout: Optional[str] = field(default=None, init=False)
     per_example_extras: Optional[Mapping[str, object]] = field(default=None, compare=False, repr=False)
     extra_names: Tuple[str, ...] = field(default=(), init=False)
+    mechanism: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.views, AugmentationViews):

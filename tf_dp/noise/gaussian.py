@@ -11,10 +11,13 @@ XLA on CPU was measured 30x faster than ``keras.random.normal``. XLA's Philox ke
 out counters differently from TF's, so a run with ``jit_compile=True`` draws a different
 (equally distributed) stream than one without; each is reproducible from its seed.
 
-Streams: the Gaussian gradient draws use codes ≥ 0 (``gaussian_stream``); the negative codes
-belong to other draws of the same (key, step): −1 (``tf_dp.noise.laplace.LAPLACE_STREAM``)
-RaCO-DP's Laplace histogram noise, −2 (``tf_dp.clipping.adaptive.COUNT_STREAM``) adaptive
-clipping's noisy count of unclipped examples. A new kind of draw takes the next free negative code.
+Streams: every code is allocated by name in ``tf_dp.streams`` (``PHILOX``), which refuses
+overlapping allocations. The Gaussian gradient draws use the range ``GAUSSIAN_GRADIENT`` (codes
+≥ 0, ``gaussian_stream``); the negative codes belong to other draws of the same (key, step):
+``SUM_RELEASE`` (−1) a second release the optimizer performs for a plug-in (RaCO-DP's Laplace
+histogram, ``DPOptimizer.release_sum``), ``ADAPTIVE_COUNT`` (−2) and ``ADAPTIVE_COUNT_SHARES``
+adaptive clipping's noisy count of unclipped examples. A new kind of draw calls
+``tf_dp.streams.PHILOX.allocate(name)``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def draw_seed(key: tf.Tensor, step: tf.Tensor, stream: tf.Tensor) -> tf.Tensor:
 
 
 def gaussian_stream(variable: int, replica: tf.Tensor, replicas: int) -> tf.Tensor:
-    """A code ≥ 0 unique to (variable index, replica, number of replicas)."""
+    """A code ≥ 0 unique to (variable index, replica, number of replicas), within the allocated
+    range ``tf_dp.streams.GAUSSIAN_GRADIENT``."""
     return (tf.cast(variable, tf.int64) * _FIELD + tf.cast(replica, tf.int64)) * _FIELD + replicas
 
 

@@ -30,10 +30,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dp import _checks
+from tf_dp import _checks, streams
 from tf_dp.clipping import CURRENT_WEIGHTS
 from tf_dp.clipping.policy import resolve_clipping
 from tf_dp.noise.privatizer import resolve_privatizer
+from tf_dp.noise.release import SumNoise, noised_sum
 from tf_dp.optimizers import transforms
 from tf_dp.optimizers.clipped_sum import ClippedSum
 from tf_dp.optimizers.key_guard import NoiseKeyGuard
@@ -273,9 +274,36 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """Steps below ``dp_step`` have drawn noise with the current key."""
         self._key_guard.record(dp_step)
 
-    def noise_key(self) -> tf.Tensor:
-        """This step's Philox key: the in-memory key, or fresh OS entropy in secure mode."""
+    def _noise_key(self) -> tf.Tensor:
+        """This step's Philox key: the in-memory key, or fresh OS entropy in secure mode. Private:
+        the key never leaves the optimizer (a plug-in asks for a release, ``release_sum``)."""
         return self._key_guard.read()
+
+    def release_sum(self, total: tf.Tensor, noise: SumNoise, dp_step: tf.Tensor) -> tf.Tensor:
+        """A second noised release of this step: ``total`` + one draw of ``noise`` from the
+        optimizer's key on the allocated stream ``tf_dp.streams.SUM_RELEASE``, summed over
+        replicas (``tf_dp.noise.release.noised_sum``). Drawn only inside the drawing window, like
+        the gradient's noise (docs/algorithms.md §5, A.2, B.3); the caller accounts for it.
+
+        Args:
+          total: this replica's share of the sum (RaCO-DP: its histogram counts).
+          noise: a ``tf_dp.noise.release.SumNoise`` (distribution, sensitivity, multiplier).
+          dp_step: the ledger's DP step count before this step (the noise counter).
+
+        Returns:
+          The released sum, identical on every replica.
+        """
+        self._key_guard.require_window(dp_step, self.name)
+        return noised_sum(total, noise, self._noise_key(), dp_step, streams.SUM_RELEASE.code)
+
+    def noise_report(self) -> dict:
+        """What the latest step's noise was, for reports and logs (public values only).
+
+        Returns:
+          {"noise_multiplier": σ, "clip_bound": C_t, "averaged_noise_stddev": σ_w} as tensors.
+        """
+        return {"noise_multiplier": self.noise_multiplier_tensor(), "clip_bound": self.clip_bound(),
+                "averaged_noise_stddev": self.averaged_noise_stddev()}
 
     def noise_multiplier_tensor(self) -> tf.Tensor:
         """σ as a tensor, read once per compiled step (noise and ledger use the same read)."""
@@ -388,7 +416,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(variables)
         sigma = self.noise_multiplier_tensor() if noise_multiplier is None else noise_multiplier
-        bound, key = self._l2_norm_clip.value, self.noise_key()
+        bound, key = self._l2_norm_clip.value, self._noise_key()
         stddev_on_sum = self._gradient_noise_multiplier(sigma, expected_batch_size) * self.clipping.sensitivity(bound)
         replica, replicas = _replica()
         noisy_sums = transforms.privatize(self.privatizer, clipped_sums, stddev_on_sum, key, dp_step, replica,

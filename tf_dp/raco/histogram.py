@@ -10,7 +10,8 @@ import keras
 import tensorflow as tf
 
 from tf_dp import _checks
-from tf_dp.noise import laplace_noise
+from tf_dp.noise.laplace import LAPLACE_STREAM
+from tf_dp.noise.release import SumNoise, noised_sum
 
 
 def tempered(probabilities: tf.Tensor, temperature: float) -> tf.Tensor:
@@ -78,27 +79,27 @@ class NoisyHistogram(keras.layers.Layer):
                 weights = weights * tf.cast(mask, weights.dtype)[:, None]
             return tf.math.unsorted_segment_sum(weights, partition_ids, self.num_partitions)
 
+    def sum_noise(self) -> SumNoise:
+        """The histogram's noise: Laplace(1/b) per cell, ℓ1 sensitivity 1 (what the optimizer draws).
+
+        Returns:
+          A ``tf_dp.noise.release.SumNoise``.
+        """
+        return SumNoise("laplace", 1.0, self.noise_scale)
+
     def add_noise(self, histogram: tf.Tensor, seed: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-        return histogram + laplace_noise(tf.shape(histogram), self.noise_scale, seed, step, histogram.dtype)
+        return histogram + self.sum_noise().draw(tf.shape(histogram), histogram.dtype, seed, step, LAPLACE_STREAM)
 
     def release(self, counts: tf.Tensor, seed: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-        """Ĥ of the WHOLE global batch from this replica's ``counts`` of its chunks.
+        """Ĥ of the WHOLE global batch from this replica's ``counts`` of its chunks, with a seed the
+        caller holds (this layer's ``call``; in training RaCO-DP asks the optimizer instead,
+        ``DPOptimizer.release_sum``, which never hands out its key).
 
-        Under tf.distribute the replicas' counts are summed (replica-context all-reduce)
-        and exactly ONE Laplace draw is added: replica 0 adds it to its counts before the
-        sum, the others add nothing, so every replica holds the same Ĥ = Σ_r H_r + noise —
-        one Laplace mechanism on the global batch, as the joint accountant assumes. (Adding
-        the draw after the sum on every replica would need every replica to derive the same
-        key; in secure_mode each replica draws its own key from the OS, and the replicas
-        would then hold different histograms.) The draw is the one a single device makes
-        with the same seed and step. Without replicas: H + noise.
+        Under tf.distribute the replicas' counts are summed and exactly ONE Laplace draw is
+        added (``tf_dp.noise.release.noised_sum``): every replica holds the same Ĥ = Σ_r H_r +
+        noise — one Laplace mechanism on the global batch, as the joint accountant assumes.
         """
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:
-            return self.add_noise(counts, seed, step)
-        first = tf.equal(context.replica_id_in_sync_group, 0)
-        share = tf.where(first, self.add_noise(counts, seed, step), counts)
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, share)
+        return noised_sum(counts, self.sum_noise(), seed, step, LAPLACE_STREAM)
 
     def call(self, probabilities, partition_ids, mask=None, training=False, seed=None, step=None):
         histogram = self.counts(probabilities, partition_ids, mask)

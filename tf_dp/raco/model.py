@@ -166,12 +166,13 @@ class RateConstrainedModel(DPModel):
         """
         x, y, mask, expected_batch_size = self._unpack_dp_batch(data)
         partitions = self.constraint_set.partitioning.ids(data[GROUPS], y)
-        # ONE noisy histogram of the whole global batch, identical on every replica: this
-        # replica's counts are all-reduced and one Laplace draw is added (NoisyHistogram.release).
+        # ONE noisy histogram of the whole global batch, identical on every replica: the optimizer
+        # all-reduces this replica's counts and adds one Laplace draw from its own key on its own
+        # stream (DPOptimizer.release_sum, docs/algorithms.md §5); RaCO never sees the key.
         # Γ, N̂, W and the dual step below all read it, so they agree across replicas too.
         # The Laplace counter is the ledger's step count, like the Gaussian's: unique over the model's life.
-        noisy = self.histogram.release(self._batch_histogram(x, partitions, mask),
-                                       self.optimizer.noise_key(), self.privacy_ledger.steps.read_value())
+        noisy = self.optimizer.release_sum(self._batch_histogram(x, partitions, mask), self.histogram.sum_noise(),
+                                           self.privacy_ledger.steps.read_value())
         values = self.constraint_set.values(noisy)
         violated = values > self.constraint_set.bounds
         multipliers = self.multipliers.read_value()

@@ -32,7 +32,6 @@ import numpy as np
 from dp_accounting import dp_event
 
 from tf_dp import _checks
-from tf_dp.accounting.events import register_event
 from tf_dp.sampling.poisson import StepSampler, _uniforms, choose_physical_batch_size, chunk, stream_seed
 from tf_dp.sampling.schemes import SamplingScheme, register_sampling
 
@@ -139,6 +138,21 @@ class BallsInBinsSampling(SamplingScheme):
       expected_batch_size: L.
     """
 
+    ledger_code = LEDGER_CODE
+    whole_segments = True
+
+    @staticmethod
+    def event(phase) -> dp_event.DpEvent:
+        """The event this scheme declares for a phase (``balls_in_bins_event``).
+
+        Args:
+          phase: a ledger phase of scheme "balls_in_bins".
+
+        Returns:
+          The dp_accounting event.
+        """
+        return balls_in_bins_event(phase)
+
     @property
     def ledger_parameter(self) -> float:
         """B, the number of bins (the steps of one epoch)."""
@@ -165,7 +179,6 @@ class BallsInBinsSampling(SamplingScheme):
                                   secure=secure, chunk_multiple=chunk_multiple)
 
 
-@register_event(NAME, code=LEDGER_CODE, whole_segments=True)
 def balls_in_bins_event(phase) -> dp_event.DpEvent:
     """A segment of T steps with B = ``phase.parameter`` bins: ⌈(T − 1)/B⌉ + 1 × Gaussian(σ)
     (one unamplified Gaussian per epoch window it overlaps, docs/algorithms.md §15).

@@ -21,12 +21,13 @@ from typing import Optional
 
 import numpy as np
 
-from tf_dp import _checks
+from tf_dp import _checks, streams
+from tf_dp.accounting.bandmf import cyclic_poisson_phase_event
 from tf_dp.sampling.poisson import StepSampler, _uniforms, choose_physical_batch_size, chunk, stream_seed
 from tf_dp.sampling.schemes import SamplingScheme, register_sampling
 
-_GROUP_STREAM = 0  # SeedSequence spawn keys: (0,) draws the groups, (1, t) the batch of step t
-_STEP_STREAM = 1
+_GROUP_STREAM = streams.CYCLIC_GROUPS.code  # SeedSequence spawn keys (tf_dp.streams): (0,) the groups,
+_STEP_STREAM = streams.CYCLIC_STEPS.code  # (1, t) the batch of step t
 
 
 def group_sampling_rate(num_examples: int, expected_batch_size: int, num_bands: int) -> float:
@@ -128,6 +129,8 @@ class CyclicPoissonSampling(SamplingScheme):
     """
 
     num_bands: int = 1
+    event = staticmethod(cyclic_poisson_phase_event)  # BandMF's segment event (docs/algorithms.md §10.3)
+    whole_segments = True
 
     def __post_init__(self):
         _checks.positive_int("num_bands", self.num_bands)

@@ -6,13 +6,16 @@ the scheme its inputs and the optimizer's privatizer need — Poisson sampling o
 of users (§11) — and then only talks to the scheme: it builds the sampler that draws each
 step's batch, states the unit the ledger counts (N examples or N users), the rate q and the
 scheme's ledger parameter, and says whether each ``fit`` starts a new accounting segment.
-The accounting event of a scheme is registered with the accountant
-(``tf_dp.accounting``), under the same name.
+The scheme DECLARES its accounting event (``event``, with ``ledger_code``, ``whole_segments``
+and ``unit``): the running mechanism asks it (``tf_dp.mechanism.DPMechanism.event``), and
+``register_sampling`` registers it with the accountant under the scheme's name, which is all a
+reloaded ledger holds (``tf_dp.accounting.events.declare_events``).
 
 Add a scheme: subclass ``SamplingScheme``, decorate it with ``@register_sampling("name")``,
 give its sampler the interface of ``tf_dp.sampling.PoissonSampler`` (``physical_batch_size``,
-``batch(step) -> (indices, mask)``, a function of a secret seed and the step only), register
-its event, and test its batches' distribution and its ε against dp_accounting.
+``batch(step) -> (indices, mask)``, a function of a secret seed and the step only), declare
+its event (``event = staticmethod(fn)``, and ``ledger_code`` if its name is new), and test
+its batches' distribution and its ε against dp_accounting.
 """
 
 from __future__ import annotations
@@ -21,17 +24,20 @@ import dataclasses
 from typing import Optional
 
 from tf_dp import _checks
+from tf_dp.accounting import events
 from tf_dp.sampling.poisson import PoissonSampler
 
 SAMPLING_SCHEMES: dict = {}
 
 
 def register_sampling(name: str):
-    """Class decorator: registers a SamplingScheme under ``name`` (also its ledger scheme)."""
+    """Class decorator: registers a SamplingScheme under ``name`` (also its ledger scheme), and
+    the accounting event it declares under that name (``events.declare_events``)."""
     def register(cls):
         if name in SAMPLING_SCHEMES and SAMPLING_SCHEMES[name] is not cls:
             raise ValueError(f"A sampling scheme named {name!r} is already registered.")
         cls.name = name
+        events.declare_events(cls)
         SAMPLING_SCHEMES[name] = cls
         return cls
     return register
@@ -49,6 +55,12 @@ class SamplingScheme:
     num_units: int
     expected_batch_size: int
     name = "base"
+    #: ``fn(phase) -> DpEvent``, the event of one ledger phase of this scheme (a staticmethod),
+    #: or None when a plug-in registers it by name (``tf_dp.accounting.register_event``).
+    event = None
+    ledger_code = None  # the ledger's code of a name not reserved in events.SCHEME_CODES
+    whole_segments = False  # each segment accounted whole, at its smallest σ (events.register_event)
+    unit = "example"  # what one phase protects: "example" or "user"
 
     @property
     def sampling_rate(self) -> float:
@@ -84,6 +96,8 @@ class SamplingScheme:
 @dataclasses.dataclass(frozen=True)
 class PoissonSampling(SamplingScheme):
     """Every example joins each step independently with q = L/N (docs/algorithms.md §1 step 1)."""
+
+    event = staticmethod(events.poisson_event)
 
     def sampler(self, physical_batch_size, seed, secure, chunk_multiple=1):
         return PoissonSampler(self.num_units, self.expected_batch_size, physical_batch_size, seed, secure=secure,

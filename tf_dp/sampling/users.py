@@ -31,13 +31,14 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_dp import _checks
+from tf_dp import _checks, streams
+from tf_dp.accounting import events
 from tf_dp.sampling.poisson import (PAD_INDEX, StepSampler, stream_seed, _uniforms, choose_physical_batch_size,
                                     sample_poisson_batch)
 from tf_dp.sampling.schemes import SamplingScheme, register_sampling
 from tf_dp.sampling.sources import ArraySource, DatasetSource, ExampleSource, graph_extras
 
-ORDER_STREAM = 2**63 + 0x05E5  # the "step" whose stream orders each user's examples: no real step reaches it
+ORDER_STREAM = streams.USER_ORDER.code  # orders each user's examples: beyond every step (tf_dp.streams)
 
 
 def user_index_of(user_ids, num_examples: Optional[int] = None) -> np.ndarray:
@@ -287,6 +288,8 @@ class UserPoissonSampling(SamplingScheme):
     user_index: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
     examples_per_user: int = 1
     FIT_ARGUMENTS = ("user_ids", "examples_per_user")
+    event = staticmethod(events.user_poisson_event)  # DP-SGD's event over users (§11)
+    unit = "user"
 
     @classmethod
     def for_fit(cls, num_examples: int, batch_size: int, user_ids=None, examples_per_user=None):
