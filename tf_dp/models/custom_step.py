@@ -32,8 +32,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.models import row_independence
+from tf_dp.models.chunk_loop import chunk_clipper, clipped_sum_over_chunks
 from tf_dp.models.losses import per_example_loss as compiled_per_example_loss
 from tf_dp.models.objective import INPUTS, TARGETS, WEIGHTS, PerExampleObjective, packed_targets
 from tf_dp.optimizers.clipped_sum import ClippedSum
@@ -285,17 +285,17 @@ class CustomTraining:
         dp_step, sigma = ledger.steps.read_value(), optimizer.noise_multiplier_tensor()
         variables = model.trainable_variables
         wants_norms = getattr(optimizer, "adaptive_clip", None) is not None
-        inputs = {INPUTS: x, **({} if y is None else {TARGETS: y})}
-        if latent_shape is not None:
-            inputs[LATENT] = keras.random.normal(tf.concat([tf.shape(mask), tf.constant(tuple(latent_shape), tf.int32)],
-                                                           0), seed=self._latent_seeds())
-        sums, norms, mean_loss, nonfinite = _clipped_sums(self, model, inputs, mask,
-                                                          optimizer.evaluation_points(variables))
+        inputs = self._objective_inputs(x, y, mask, latent_shape)
+        clip_chunk = chunk_clipper(self, model, _objective_losses, optimizer.clip_bound(),
+                                   optimizer.evaluation_points(variables))
+        # The objective model's inputs are its targets too (read by no loss): every leaf has the views' axes.
+        totals = clipped_sum_over_chunks(clip_chunk, inputs, inputs, mask, variables, wants_norms)
         release = ledger.record_step(sigma, self.step_limit.allows(dp_step, sigma))
         optimizer.apply(ClippedSum(
-            sums, expected_batch_size, dp_step, noise_multiplier=sigma, release=release,
-            public_gradients=regularization_gradients(variables), squared_norms=norms if wants_norms else None,
+            totals.sums, expected_batch_size, dp_step, noise_multiplier=sigma, release=release,
+            public_gradients=regularization_gradients(variables), squared_norms=totals.squared_norms,
             mask=tf.reshape(mask, [-1]) if wants_norms else None), variables)
+        mean_loss, nonfinite = tf.math.divide_no_nan(totals.loss_total, tf.reduce_sum(mask)), totals.nonfinite
         logs = {}
         if not self._dp["private_logs"]:
             self.nonfinite_examples.assign_add(nonfinite)
@@ -315,6 +315,23 @@ class CustomTraining:
             with tf.init_scope():
                 self._untracked.latent_seeds = keras.random.SeedGenerator()
         return self._untracked.latent_seeds
+
+    def _objective_inputs(self, x, y, mask, latent_shape):
+        """{x, y, latent} of the objective model, [chunks, P, ...] each. With the plan's
+        views on an axis (augmentation multiplicity by ``augment``, docs/algorithms.md §8; a
+        user's examples, §11) every leaf carries them on axis 2, so that view k of the unit is
+        (x[:, k], y[:, k], latent[:, k]): y is repeated per view unless it holds one target
+        per view (§11), and each view draws its own latent."""
+        views = self.step_plan.views
+        per_view = views.view_axis
+        if per_view and y is not None and not views.targets_per_view:
+            y = tf.nest.map_structure(lambda t: tf.repeat(tf.expand_dims(t, 2), views.count, axis=2), y)
+        inputs = {INPUTS: x, **({} if y is None else {TARGETS: y})}
+        if latent_shape is not None:
+            leading = tf.concat([tf.shape(mask), tf.constant([views.count] if per_view else [], tf.int32)], 0)
+            inputs[LATENT] = keras.random.normal(tf.concat([leading, tf.constant(tuple(latent_shape), tf.int32)], 0),
+                                                 seed=self._latent_seeds())
+        return inputs
 
     def _unpack_custom_batch(self, data):
         """(x, y or None, mask, L) with a chunk axis, from a Poisson batch or an explicit one."""
@@ -394,33 +411,6 @@ def _probe_on_trace(owner, model, latent_shape) -> None:
             inputs[LATENT] = np.random.default_rng(0).normal(size=(rows, *latent_shape)).astype(np.float32)
         row_independence.check_rows_independent(model, _objective_losses, inputs, tf.zeros([rows]))
     done[id(model)] = probed
-
-
-def _clipped_sums(owner, model, inputs, mask, points):
-    """Σ over chunks of Σ_i c_i g_i of ``model``'s per-example outputs, the squared norms
-    ([chunks·P]), the mean term over real rows and the count of real rows whose gradient was
-    not finite (they contribute zero)."""
-    clip, engine = owner.optimizer.clip_bound(), owner._dp["engine"]
-    clipping = getattr(owner.optimizer, "clipping", None)
-    variables = model.trainable_variables
-
-    def chunk(index, totals):
-        take = lambda t: tf.gather(t, index)  # noqa: E731
-        rows = take(mask)
-        result = clipped_gradient_sum(model, _objective_losses, tf.nest.map_structure(take, inputs), rows, rows,
-                                      clip, engine=engine, points=points, clipping=clipping)
-        sums, norms, total, nonfinite = totals
-        real = tf.where(tf.cast(rows, tf.bool), tf.cast(result.losses, tf.float32), 0.0)
-        return ([s + c for s, c in zip(sums, result.clipped_sums)], norms.write(index, result.squared_norms),
-                total + tf.reduce_sum(real), nonfinite + result.nonfinite_count(rows))
-
-    chunks = tf.shape(mask)[0]
-    totals = ([tf.zeros_like(v) for v in variables],
-              tf.TensorArray(tf.float32, size=chunks, element_shape=mask.shape[1:]), tf.constant(0.0),
-              tf.constant(0.0))
-    _, (sums, norms, total, nonfinite) = tf.while_loop(
-        lambda index, _: index < chunks, lambda index, t: (index + 1, chunk(index, t)), (tf.constant(0), totals))
-    return sums, norms.concat(), tf.math.divide_no_nan(total, tf.reduce_sum(mask)), nonfinite
 
 
 def regularization_gradients(variables):
