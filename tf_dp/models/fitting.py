@@ -235,9 +235,6 @@ class DPFitting:
         if plan.class_weights is not None:
             raise ValueError(f"`class_weight` is not supported with {scheme.name!r} sampling: fold the class "
                              "weights into `sample_weight` (one weight per example), which is carried per example.")
-        if type(self).train_step is not DPTrainStep.train_step:
-            raise ValueError(f"{scheme.name!r} sampling is supported by DPModel's own train step; "
-                             f"{type(self).__name__} overrides train_step.")
         return AugmentationViews(scheme.views, view_axis=True, targets_per_view=True)  # each example its own label
 
     def _augmentation_setting(self, augment, multiplicity) -> AugmentationViews:
@@ -247,9 +244,6 @@ class DPFitting:
             raise TypeError(f"`augment` must be a callable augment(x, seed) -> x, got {augment!r}.")
         if multiplicity == 1:
             return ONE_VIEW
-        if type(self).train_step is not DPTrainStep.train_step:
-            raise ValueError(f"augmentation_multiplicity > 1 is supported by DPModel's own train step; "
-                             f"{type(self).__name__} overrides train_step.")
         if augment is None and not any(getattr(layer, "_seed_generators", None)
                                        for layer in self._flatten_layers(include_self=True)):
             raise ValueError(
