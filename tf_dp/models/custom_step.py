@@ -37,6 +37,7 @@ from tf_dp.models.chunk_loop import chunk_clipper, clipped_sum_over_chunks
 from tf_dp.models.losses import per_example_loss as compiled_per_example_loss
 from tf_dp.models.objective import INPUTS, TARGETS, WEIGHTS, PerExampleObjective, packed_targets
 from tf_dp.optimizers.clipped_sum import ClippedSum
+from tf_dp.sampling.sources import no_targets_as_none
 
 LATENT = "latent"  # private_update's per-example N(0, I) draws
 
@@ -76,6 +77,20 @@ def objective_loss(model, loss, loss_weights, output_names):
     if loss is None and overrides(model, "train_step"):
         return OWN_TRAIN_STEP
     return compiled_per_example_loss(loss, loss_weights, output_names)
+
+
+def reads_no_targets(loss) -> bool:
+    """Whether a model with this per-example loss may train on examples without targets
+    (``fit(x)``, as Keras allows when ``compute_loss`` ignores y: a VAE).
+
+    Args:
+      loss: the model's per-example loss (``objective_loss``'s choice).
+
+    Returns:
+      True for the model's own ``compute_loss`` (it receives y=None) or a train step of its
+      own without a compiled loss (``per_example_loss(x, None)``); False for a compiled loss.
+    """
+    return getattr(loss, "reads_inputs", False) or loss is OWN_TRAIN_STEP
 
 
 class _OwnTrainStep:
@@ -336,7 +351,7 @@ class CustomTraining:
     def _unpack_custom_batch(self, data):
         """(x, y or None, mask, L) with a chunk axis, from a Poisson batch or an explicit one."""
         if isinstance(data, dict) and "mask" in data:
-            return data["x"], data.get("y"), data["mask"], data["expected_batch_size"][0]
+            return data["x"], no_targets_as_none(data.get("y")), data["mask"], data["expected_batch_size"][0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError("private_update takes no sample weights: weigh the terms inside per_example_loss.")

@@ -25,6 +25,7 @@ from tf_dp.models.objective import COMPILED_LOSS, PerExampleObjective
 from tf_dp.models.plan import StepPlan, class_weight_table
 from tf_dp.models.row_independence import reprobe_on_trace
 from tf_dp.optimizers import ClippedSum, DPOptimizer
+from tf_dp.sampling.sources import no_targets_as_none
 
 
 REFUSED_LOG = "tf_dp_refused_steps"  # popped from the logs before Keras or a callback sees them
@@ -151,7 +152,7 @@ class DPTrainStep:
         self._step_door.require_open(self.name)
         if is_poisson_batch(data):
             weight = poisson_sample_weight(data, self.step_plan.sample_weights)
-            y = self._weighted_targets(data.get("y"), weight)
+            y = self._weighted_targets(no_targets_as_none(data.get("y")), weight)  # fit(x): y=None
             return data["x"], y, data["mask"], data["expected_batch_size"][0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y = without_unused_targets(self._dp_loss, y)

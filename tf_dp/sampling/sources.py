@@ -365,18 +365,22 @@ class ArraySource(ExampleSource):
 
     Args:
       x: the inputs: an array, or a list/tuple/dict of arrays (one per model input).
-      y: the targets: an array, or one per output of a multi-output model.
+      y: the targets: an array, or one per output of a multi-output model; None with
+        ``targets_optional`` (a model whose own ``compute_loss`` or ``train_step`` reads
+        no targets: the examples' y is ``NO_TARGETS``).
       extras: optional per-example arrays by name (e.g. user ids), read with each example.
+      targets_optional: accept ``y=None``.
 
     Raises:
       ValueError: ``x`` or ``y`` is missing, or the columns' row counts differ.
     """
 
-    def __init__(self, x, y, extras: Optional[dict] = None):
-        if x is None or y is None:
+    def __init__(self, x, y, extras: Optional[dict] = None, targets_optional: bool = False):
+        if x is None or (y is None and not targets_optional):
             raise ValueError("DP fit needs both `x` and `y`.")
         self.x = input_columns(x)  # fit([x1, x2], y): one column per input, as Keras reads a list
-        self.y = target_columns(y)  # one column, or one per output of a multi-output model
+        # One column, or one per output of a multi-output model; NO_TARGETS (no leaves) without y.
+        self.y = NO_TARGETS if y is None else target_columns(y)
         sizes = {num_rows(c) for c in tf.nest.flatten(self.x)} | {num_rows(c) for c in tf.nest.flatten(self.y)}
         if len(sizes) != 1:
             raise ValueError(f"`x` and `y` must have the same number of rows, got sizes {sorted(sizes)}.")
@@ -1097,7 +1101,23 @@ def is_record_source(x, y, transform) -> bool:
     return hasattr(x, "__len__") and hasattr(x, "__getitem__")
 
 
-def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSource:
+NO_TARGETS = ()  # the y of examples without targets: a structure with no leaves, which tf.data carries
+
+
+def no_targets_as_none(y):
+    """None for ``NO_TARGETS`` (what a model reads as "no y", as Keras' ``fit(x)``), else y.
+
+    Args:
+      y: the targets of a batch or of examples read from a source.
+
+    Returns:
+      y, or None.
+    """
+    return None if isinstance(y, tuple) and not y else y
+
+
+def example_source(x, y=None, transform: Optional[Callable] = None,
+                   targets_optional: bool = False) -> ExampleSource:
     """The ExampleSource of fit's (x, y): arrays (lazy ones stay lazy), an unbatched dataset
     (random access when it has it, else materialized with a warning), or a record source.
 
@@ -1106,6 +1126,7 @@ def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSo
         or a random-access sequence of records.
       y: the labels, or None (e.g. when ``x`` is a dataset that yields them).
       transform: a function mapping a record to an example, for record sources; None for arrays.
+      targets_optional: arrays ``x`` may come without ``y`` (``ArraySource``).
 
     Returns:
       The ``ExampleSource`` that serves the examples by index.
@@ -1130,7 +1151,7 @@ def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSo
             raise ValueError("`transform` needs `x` to be a random-access source of records (e.g. a list of file "
                              "paths, with labels in `y`), not arrays.")
         return RecordSource(PairedRecords(x, y), transform)
-    return ArraySource(x, y)
+    return ArraySource(x, y, targets_optional=targets_optional)
 
 
 class PairedRecords:

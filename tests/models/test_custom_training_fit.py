@@ -1,11 +1,16 @@
-"""``private_update`` with the plan's views (tf_dp.models.custom_step, docs/algorithms.md §8, §11):
-a train step of one's own under ``fit(augment=, augmentation_multiplicity=K)`` or user-level
-sampling averages each unit's views of its per-example objective before clipping, exactly as
-the built-in step. Each update at σ = 0 is compared with a per-example (per-user) GradientTape
-loop over the batch the sampler drew (rebuilt from the same seed)."""
+"""Users' own training logic under ``fit`` (tf_dp.models.custom_step):
+
+* ``private_update`` with the plan's views (docs/algorithms.md §8, §11): a train step of one's
+  own under ``fit(augment=, augmentation_multiplicity=K)`` or user-level sampling averages each
+  unit's views of its per-example objective before clipping, exactly as the built-in step;
+* ``fit(x)`` without targets for a model whose own ``compute_loss`` reads none (a VAE).
+
+Each update at σ = 0 is compared with a per-example (per-user) GradientTape loop over the
+batch the sampler drew (rebuilt from the same seed)."""
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_dp
@@ -13,6 +18,7 @@ from tests.models.test_augmentation_multiplicity import loop_reference, shift
 from tests.sampling.test_user_level import CLIP as USER_CLIP, per_user_loop, weights_of
 from tf_dp.models.data import poisson_dataset
 from tf_dp.sampling import UserPoissonSampler
+from tf_dp.sampling.sources import ArraySource
 
 AUGMENT_CLIP = 0.7  # test_augmentation_multiplicity's C
 
@@ -106,3 +112,69 @@ def test_private_update_with_a_latent_and_views_trains():
     model.fit(x, rng.integers(0, 4, 24), batch_size=8, epochs=1, verbose=0, augment=shift,
               augmentation_multiplicity=2)
     assert int(model.privacy_ledger.steps.numpy()) == 3
+
+
+# ------------------------------------------------------------- fit(x) without y
+class AutoEncoder(tf_dp.DPModel):
+    """keras.io's VAE shape without the sampling draw (z = z_mean, so a loop can replay the
+    step): compute_loss reads x and no y, per example (reconstruction + KL)."""
+
+    def __init__(self, encoder, decoder, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder, self.decoder = encoder, decoder
+
+    def call(self, x):
+        z_mean, z_log_var = self.encoder(x)
+        return z_mean, z_log_var, self.decoder(z_mean)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        assert y is None  # fit(x): Keras hands compute_loss y=None
+        z_mean, z_log_var, reconstruction = y_pred
+        reconstruction_loss = tf.reduce_sum(tf.square(x - reconstruction), axis=1)
+        kl_loss = -0.5 * tf.reduce_sum(1 + z_log_var - tf.square(z_mean) - tf.exp(z_log_var), axis=1)
+        return reconstruction_loss + kl_loss
+
+
+def _autoencoder():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(5, activation="tanh")(inputs)
+    encoder = keras.Model(inputs, [keras.layers.Dense(2)(hidden), keras.layers.Dense(2)(hidden)])
+    decoder = keras.Sequential([keras.Input((2,)), keras.layers.Dense(6)])
+    model = AutoEncoder(encoder, decoder)
+    model.compile(tf_dp.DPSGD(0.5, l2_norm_clip=0.3, noise_multiplier=0.0, seed=1))
+    return model
+
+
+def test_fit_x_without_y_trains_a_compute_loss_that_reads_no_targets():
+    """``fit(x)`` (old code: "DP fit needs both `x` and `y`") takes the step a per-example
+    loop of the user's compute_loss computes on the batch the sampler drew."""
+    x = np.random.default_rng(1).normal(size=(40, 6)).astype("float32")
+    model, reference = _autoencoder(), _autoencoder()
+    before = [v.numpy() for v in reference.trainable_variables]
+    model.fit(x, batch_size=8, epochs=1, steps_per_epoch=1, sampling_seed=5, verbose=0)
+    element = next(iter(poisson_dataset(None, None, 40, 8, None, seed=5,
+                                        source=ArraySource(x, None, targets_optional=True))))
+    assert element["y"] == ()  # the loader carries no targets
+    mask = element["mask"].numpy().reshape(-1)
+    rows = element["x"].numpy().reshape(-1, 6)[mask == 1]
+    assert len(rows) >= 2
+    total = [np.zeros(v.shape, np.float64) for v in reference.trainable_variables]
+    for row in rows:
+        with tf.GradientTape() as tape:
+            loss = reference.compute_loss(row[None], None, reference(row[None]))[0]
+        grads = [np.asarray(g, np.float64) for g in tape.gradient(loss, reference.trainable_variables)]
+        factor = min(1.0, 0.3 / np.sqrt(sum(np.sum(g ** 2) for g in grads)))
+        total = [t + factor * g for t, g in zip(total, grads)]
+    for variable, start, t in zip(model.trainable_variables, before, total):
+        np.testing.assert_allclose(variable.numpy(), start - 0.5 * t / 8, rtol=1e-4, atol=1e-6)
+    assert int(model.privacy_ledger.steps.numpy()) == 1
+
+
+def test_fit_x_without_y_is_still_refused_for_a_compiled_loss():
+    inputs = keras.Input((6,))
+    model = tf_dp.DPModel(inputs, keras.layers.Dense(6)(inputs))
+    model.compile(tf_dp.DPSGD(0.5, l2_norm_clip=0.3, noise_multiplier=0.0), loss="mse")
+    with pytest.raises(ValueError, match="needs both `x` and `y`"):
+        model.fit(np.zeros((16, 6), "float32"), batch_size=4, epochs=1, verbose=0)
+    assert int(model.privacy_ledger.steps.numpy()) == 0
