@@ -406,8 +406,11 @@ def _one_call_per_step(owner) -> None:
         raise RuntimeError(
             f"{owner.name}: private_update was called twice in one train step. Two releases of the same batch "
             "are ONE mechanism at σ_eff = (σ₁⁻² + σ₂⁻²)^(−1/2), not two steps at σ: tf_dp does not account that "
-            "yet. Take one private_update per step (with `trains` covering every variable the private data "
-            "reaches); update the rest (a GAN's generator) from values that do not read `data`.")
+            "yet. Fix: ONE private_update per step over the joint per-example term of every model that reads "
+            "`data` (e.g. a GAN's d_loss + g_loss, the generator's part reading a frozen copy of the "
+            "discriminator), with `trains` covering all of them (default: the whole model): one clip, one "
+            "draw, one step of ε; update the rest (a GAN's generator) only from values that do not read `data` "
+            "(docs/guides/keras-models.md#your-own-training-logic).")
     counts[thread] += 1
 
 
