@@ -578,7 +578,8 @@ def _carve_validation(source, fraction, sample_weight, validation_batch: int):
     their sample weights go with them); returns (training source, validation data, weights)."""
     if isinstance(source, ArraySource):
         (x, y), validation_data = _split_tail(source.x, source.y, fraction)
-        source = ArraySource(x, y)
+        y = no_targets_as_none(y)  # fit(x) of a model that reads no targets: x alone validates
+        source, validation_data = ArraySource(x, y, targets_optional=y is None), validation_data[:1 + (y is not None)]
     else:  # a source: the tail's indices are carved off before sampling and never sampled
         source, validation_data = _split_source_tail(source, fraction, validation_batch)
     if sample_weight is None:
