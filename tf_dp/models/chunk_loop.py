@@ -41,7 +41,7 @@ def chunk_clipper(owner, model, per_example_loss: Callable, clip, points) -> Cal
 
     Args:
       owner: the DP model whose step this is (its optimizer's clipping policy, its clipping
-        engine and its step plan's views).
+        engine and layer registry, and its step plan's views).
       model: the model whose ``trainable_variables`` are clipped (``owner`` itself, or
         ``private_update``'s objective model).
       per_example_loss: ``fn(y, y_pred) -> [P]``.
@@ -53,6 +53,9 @@ def chunk_clipper(owner, model, per_example_loss: Callable, clip, points) -> Cal
     """
     settings = dict(engine=owner._dp["engine"], points=points, clipping=getattr(owner.optimizer, "clipping", None),
                     views=owner.step_plan.views)
+    registry = owner._dp.get("layer_registry")  # the model's ghost rules (compile's layer_registry=), if it has some
+    if registry is not None:
+        settings["layer_registry"] = registry
 
     def clip_chunk(x, y, mask):
         return clipped_gradient_sum(model, per_example_loss, x, y, mask, clip, **settings)
