@@ -32,11 +32,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.models import row_independence
+from tf_dp.models.chunk_loop import chunk_clipper, clipped_sum_over_chunks
 from tf_dp.models.losses import per_example_loss as compiled_per_example_loss
 from tf_dp.models.objective import INPUTS, TARGETS, WEIGHTS, PerExampleObjective, packed_targets
 from tf_dp.optimizers.clipped_sum import ClippedSum
+from tf_dp.sampling.sources import no_targets_as_none
 
 LATENT = "latent"  # private_update's per-example N(0, I) draws
 
@@ -76,6 +77,20 @@ def objective_loss(model, loss, loss_weights, output_names):
     if loss is None and overrides(model, "train_step"):
         return OWN_TRAIN_STEP
     return compiled_per_example_loss(loss, loss_weights, output_names)
+
+
+def reads_no_targets(loss) -> bool:
+    """Whether a model with this per-example loss may train on examples without targets
+    (``fit(x)``, as Keras allows when ``compute_loss`` ignores y: a VAE).
+
+    Args:
+      loss: the model's per-example loss (``objective_loss``'s choice).
+
+    Returns:
+      True for the model's own ``compute_loss`` (it receives y=None) or a train step of its
+      own without a compiled loss (``per_example_loss(x, None)``); False for a compiled loss.
+    """
+    return getattr(loss, "reads_inputs", False) or loss is OWN_TRAIN_STEP
 
 
 class _OwnTrainStep:
@@ -285,17 +300,17 @@ class CustomTraining:
         dp_step, sigma = ledger.steps.read_value(), optimizer.noise_multiplier_tensor()
         variables = model.trainable_variables
         wants_norms = getattr(optimizer, "adaptive_clip", None) is not None
-        inputs = {INPUTS: x, **({} if y is None else {TARGETS: y})}
-        if latent_shape is not None:
-            inputs[LATENT] = keras.random.normal(tf.concat([tf.shape(mask), tf.constant(tuple(latent_shape), tf.int32)],
-                                                           0), seed=self._latent_seeds())
-        sums, norms, mean_loss, nonfinite = _clipped_sums(self, model, inputs, mask,
-                                                          optimizer.evaluation_points(variables))
+        inputs = self._objective_inputs(x, y, mask, latent_shape)
+        clip_chunk = chunk_clipper(self, model, _objective_losses, optimizer.clip_bound(),
+                                   optimizer.evaluation_points(variables))
+        # The objective model's inputs are its targets too (read by no loss): every leaf has the views' axes.
+        totals = clipped_sum_over_chunks(clip_chunk, inputs, inputs, mask, variables, wants_norms)
         release = ledger.record_step(sigma, self.step_limit.allows(dp_step, sigma))
         optimizer.apply(ClippedSum(
-            sums, expected_batch_size, dp_step, noise_multiplier=sigma, release=release,
-            public_gradients=regularization_gradients(variables), squared_norms=norms if wants_norms else None,
+            totals.sums, expected_batch_size, dp_step, noise_multiplier=sigma, release=release,
+            public_gradients=regularization_gradients(variables), squared_norms=totals.squared_norms,
             mask=tf.reshape(mask, [-1]) if wants_norms else None), variables)
+        mean_loss, nonfinite = tf.math.divide_no_nan(totals.loss_total, tf.reduce_sum(mask)), totals.nonfinite
         logs = {}
         if not self._dp["private_logs"]:
             self.nonfinite_examples.assign_add(nonfinite)
@@ -316,10 +331,27 @@ class CustomTraining:
                 self._untracked.latent_seeds = keras.random.SeedGenerator()
         return self._untracked.latent_seeds
 
+    def _objective_inputs(self, x, y, mask, latent_shape):
+        """{x, y, latent} of the objective model, [chunks, P, ...] each. With the plan's
+        views on an axis (augmentation multiplicity by ``augment``, docs/algorithms.md §8; a
+        user's examples, §11) every leaf carries them on axis 2, so that view k of the unit is
+        (x[:, k], y[:, k], latent[:, k]): y is repeated per view unless it holds one target
+        per view (§11), and each view draws its own latent."""
+        views = self.step_plan.views
+        per_view = views.view_axis
+        if per_view and y is not None and not views.targets_per_view:
+            y = tf.nest.map_structure(lambda t: tf.repeat(tf.expand_dims(t, 2), views.count, axis=2), y)
+        inputs = {INPUTS: x, **({} if y is None else {TARGETS: y})}
+        if latent_shape is not None:
+            leading = tf.concat([tf.shape(mask), tf.constant([views.count] if per_view else [], tf.int32)], 0)
+            inputs[LATENT] = keras.random.normal(tf.concat([leading, tf.constant(tuple(latent_shape), tf.int32)], 0),
+                                                 seed=self._latent_seeds())
+        return inputs
+
     def _unpack_custom_batch(self, data):
         """(x, y or None, mask, L) with a chunk axis, from a Poisson batch or an explicit one."""
         if isinstance(data, dict) and "mask" in data:
-            return data["x"], data.get("y"), data["mask"], data["expected_batch_size"][0]
+            return data["x"], no_targets_as_none(data.get("y")), data["mask"], data["expected_batch_size"][0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError("private_update takes no sample weights: weigh the terms inside per_example_loss.")
@@ -374,8 +406,11 @@ def _one_call_per_step(owner) -> None:
         raise RuntimeError(
             f"{owner.name}: private_update was called twice in one train step. Two releases of the same batch "
             "are ONE mechanism at σ_eff = (σ₁⁻² + σ₂⁻²)^(−1/2), not two steps at σ: tf_dp does not account that "
-            "yet. Take one private_update per step (with `trains` covering every variable the private data "
-            "reaches); update the rest (a GAN's generator) from values that do not read `data`.")
+            "yet. Fix: ONE private_update per step over the joint per-example term of every model that reads "
+            "`data` (e.g. a GAN's d_loss + g_loss, the generator's part reading a frozen copy of the "
+            "discriminator), with `trains` covering all of them (default: the whole model): one clip, one "
+            "draw, one step of ε; update the rest (a GAN's generator) only from values that do not read `data` "
+            "(docs/guides/keras-models.md#your-own-training-logic).")
     counts[thread] += 1
 
 
@@ -394,34 +429,6 @@ def _probe_on_trace(owner, model, latent_shape) -> None:
             inputs[LATENT] = np.random.default_rng(0).normal(size=(rows, *latent_shape)).astype(np.float32)
         row_independence.check_rows_independent(model, _objective_losses, inputs, tf.zeros([rows]))
     done[id(model)] = probed
-
-
-def _clipped_sums(owner, model, inputs, mask, points):
-    """Σ over chunks of Σ_i c_i g_i of ``model``'s per-example outputs, the squared norms
-    ([chunks·P]), the mean term over real rows and the count of real rows whose gradient was
-    not finite (they contribute zero)."""
-    clip, engine = owner.optimizer.clip_bound(), owner._dp["engine"]
-    clipping = getattr(owner.optimizer, "clipping", None)
-    variables = model.trainable_variables
-
-    def chunk(index, totals):
-        take = lambda t: tf.gather(t, index)  # noqa: E731
-        rows = take(mask)
-        result = clipped_gradient_sum(model, _objective_losses, tf.nest.map_structure(take, inputs), rows, rows,
-                                      clip, engine=engine, points=points, clipping=clipping,
-                                      layer_registry=owner._dp.get("layer_registry"))
-        sums, norms, total, nonfinite = totals
-        real = tf.where(tf.cast(rows, tf.bool), tf.cast(result.losses, tf.float32), 0.0)
-        return ([s + c for s, c in zip(sums, result.clipped_sums)], norms.write(index, result.squared_norms),
-                total + tf.reduce_sum(real), nonfinite + result.nonfinite_count(rows))
-
-    chunks = tf.shape(mask)[0]
-    totals = ([tf.zeros_like(v) for v in variables],
-              tf.TensorArray(tf.float32, size=chunks, element_shape=mask.shape[1:]), tf.constant(0.0),
-              tf.constant(0.0))
-    _, (sums, norms, total, nonfinite) = tf.while_loop(
-        lambda index, _: index < chunks, lambda index, t: (index + 1, chunk(index, t)), (tf.constant(0), totals))
-    return sums, norms.concat(), tf.math.divide_no_nan(total, tf.reduce_sum(mask)), nonfinite
 
 
 def regularization_gradients(variables):

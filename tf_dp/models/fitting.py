@@ -29,6 +29,7 @@ from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset
                                poisson_dataset, refuse_batched_records, refuse_duplicating_batches)
 from tf_dp.models.losses import without_unused_targets
 from tf_dp.models.row_independence import DONOR_SEARCH, GUARD_ROWS, check_rows_independent
+from tf_dp.models.custom_step import reads_no_targets
 from tf_dp.models.step import DPTrainStep, sample_weight_extras
 from tf_dp.models.validation import refuse_lookups_rejecting_padding
 from tf_dp.optimizers import DPOptimizer
@@ -36,7 +37,7 @@ from tf_dp.sampling import seed_guard
 from tf_dp.sampling.dataset_graph import TIMESERIES, keras_utility, keras_utility_note
 from tf_dp.sampling.loader import augment_examples
 from tf_dp.sampling.schemes import scheme_for_fit
-from tf_dp.sampling.sources import MARKER, ArraySource, SourceError, example_source
+from tf_dp.sampling.sources import MARKER, ArraySource, SourceError, example_source, no_targets_as_none
 from tf_dp.sampling.users import user_ids_for_fit, user_index_of
 
 
@@ -141,7 +142,7 @@ class DPFitting:
                 return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data,
                                                initial_epoch, steps_per_epoch, **kwargs)
         _warn_about_windows(x)
-        source = self._training_source(x, y, transform)
+        source = self._training_source(x, y, transform, reads_no_targets(self._dp_loss))
         source, user_ids = user_ids_for_fit(x, source, user_ids)  # ids travel with their rows (a feature's key)
         all_rows = len(source)
         extras = self._checked_per_example_extras(per_example_extras, all_rows)
@@ -158,6 +159,7 @@ class DPFitting:
         plan = self._weights_plan(sample_weight, class_weight, num_examples).replace(
             per_example_extras={name: column[:num_examples] for name, column in extras.items()} or None)
         x, y = source.head(GUARD_ROWS + DONOR_SEARCH)  # what the guard and the build read: never all of the data
+        y = no_targets_as_none(y)
         if augment is not None:
             x = augment_examples(augment, x)
         check_rows_independent(self, self._dp_loss, x, y)
@@ -187,11 +189,12 @@ class DPFitting:
             )
 
     @staticmethod
-    def _training_source(x, y, transform):
+    def _training_source(x, y, transform, targets_optional=False):
         """The random-access source fit samples from: a tfds.data_source parsed in the graph,
-        else ``tf_dp.sampling.example_source`` of (x, y)."""
+        else ``tf_dp.sampling.example_source`` of (x, y) — arrays x without y for a model
+        that reads no targets (``targets_optional``: its own compute_loss or train_step)."""
         source = tfds_source_for_fit(x, transform) if y is None else None
-        return source if source is not None else example_source(x, y, transform)
+        return source if source is not None else example_source(x, y, transform, targets_optional)
 
     @staticmethod
     def _refuse_sampling_arguments(arguments: dict, what: str) -> None:
@@ -235,9 +238,6 @@ class DPFitting:
         if plan.class_weights is not None:
             raise ValueError(f"`class_weight` is not supported with {scheme.name!r} sampling: fold the class "
                              "weights into `sample_weight` (one weight per example), which is carried per example.")
-        if type(self).train_step is not DPTrainStep.train_step:
-            raise ValueError(f"{scheme.name!r} sampling is supported by DPModel's own train step; "
-                             f"{type(self).__name__} overrides train_step.")
         return AugmentationViews(scheme.views, view_axis=True, targets_per_view=True)  # each example its own label
 
     def _augmentation_setting(self, augment, multiplicity) -> AugmentationViews:
@@ -247,9 +247,6 @@ class DPFitting:
             raise TypeError(f"`augment` must be a callable augment(x, seed) -> x, got {augment!r}.")
         if multiplicity == 1:
             return ONE_VIEW
-        if type(self).train_step is not DPTrainStep.train_step:
-            raise ValueError(f"augmentation_multiplicity > 1 is supported by DPModel's own train step; "
-                             f"{type(self).__name__} overrides train_step.")
         if augment is None and not any(getattr(layer, "_seed_generators", None)
                                        for layer in self._flatten_layers(include_self=True)):
             raise ValueError(
@@ -454,7 +451,7 @@ class DPFitting:
     def _prebuild(self, x, y):
         """Builds model, metrics and optimizer from one example, since the Poisson stream's
         elements are not plain (x, y) batches."""
-        sample = tf.nest.map_structure(lambda a: keras_array(a[:1]), (x, y))
+        sample = tf.nest.map_structure(lambda a: keras_array(a[:1]), (x,) if y is None else (x, y))  # fit(x)
         with self.distribute_strategy.scope():
             self._symbolic_build(data_batch=sample)
             self._build_optimizer()
@@ -584,7 +581,8 @@ def _carve_validation(source, fraction, sample_weight, validation_batch: int):
     their sample weights go with them); returns (training source, validation data, weights)."""
     if isinstance(source, ArraySource):
         (x, y), validation_data = _split_tail(source.x, source.y, fraction)
-        source = ArraySource(x, y)
+        y = no_targets_as_none(y)  # fit(x) of a model that reads no targets: x alone validates
+        source, validation_data = ArraySource(x, y, targets_optional=y is None), validation_data[:1 + (y is not None)]
     else:  # a source: the tail's indices are carved off before sampling and never sampled
         source, validation_data = _split_source_tail(source, fraction, validation_batch)
     if sample_weight is None:

@@ -15,8 +15,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dp.clipping import clipped_gradient_sum
 from tf_dp.clipping.engine import view_of
+from tf_dp.models.chunk_loop import chunk_clipper, clipped_sum_over_chunks
 from tf_dp.models.custom_step import regularization_gradients, targets_and_objective
 from tf_dp.models.data import is_poisson_batch
 from tf_dp.models.losses import (WeightedTargets, class_weights_of, metric_weights_for_masks, unpack_targets,
@@ -25,6 +25,7 @@ from tf_dp.models.objective import COMPILED_LOSS, PerExampleObjective
 from tf_dp.models.plan import StepPlan, class_weight_table
 from tf_dp.models.row_independence import reprobe_on_trace
 from tf_dp.optimizers import ClippedSum, DPOptimizer
+from tf_dp.sampling.sources import no_targets_as_none
 
 
 REFUSED_LOG = "tf_dp_refused_steps"  # popped from the logs before Keras or a callback sees them
@@ -151,7 +152,7 @@ class DPTrainStep:
         self._step_door.require_open(self.name)
         if is_poisson_batch(data):
             weight = poisson_sample_weight(data, self.step_plan.sample_weights)
-            y = self._weighted_targets(data.get("y"), weight)
+            y = self._weighted_targets(no_targets_as_none(data.get("y")), weight)  # fit(x): y=None
             return data["x"], y, data["mask"], data["expected_batch_size"][0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y = without_unused_targets(self._dp_loss, y)
@@ -240,41 +241,28 @@ class DPTrainStep:
                                  objective: PerExampleObjective = COMPILED_LOSS):
         """Σ over the batch's chunks of Σ_i c_i g_i, and — if asked, for an adaptive clip
         bound — every example's squared norm concatenated over chunks ([chunks·P]; else
-        None); also counts non-finite examples."""
-
-        def chunk(index):
-            take = lambda t: tf.gather(t, index)  # noqa: E731
-            return tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), take(mask)
-
-        static_chunks = tf.nest.flatten(x)[0].shape[0]
-        norms = tf.TensorArray(tf.float32, size=static_chunks if static_chunks else tf.shape(mask)[0],
-                               element_shape=mask.shape[1:]) if with_squared_norms else ()
-        totals = ([tf.zeros_like(v) for v in self.trainable_variables], tf.constant(0.0), norms)
-        if static_chunks == 1:
-            totals = self._clip_chunk(*chunk(0), clip, points, totals, 0, objective)
-        else:
-            chunks = tf.shape(mask)[0]
-            _, totals = tf.while_loop(
-                lambda index, _: index < chunks,
-                lambda index, t: (index + 1, self._clip_chunk(*chunk(index), clip, points, t, index, objective)),
-                (tf.constant(0), totals))
-        sums, nonfinite, norms = totals
+        None); also counts non-finite examples. The loop is ``private_update``'s too
+        (tf_dp.models.chunk_loop)."""
+        totals = clipped_sum_over_chunks(self._clip_chunk(clip, points, objective), x, y, mask,
+                                         self.trainable_variables, with_squared_norms)
         if not self._dp["private_logs"]:
             # Outside the loop: a cross-replica variable update may not sit in control flow.
-            self.nonfinite_examples.assign_add(nonfinite)
-        return sums, (norms.concat() if with_squared_norms else None)
+            self.nonfinite_examples.assign_add(totals.nonfinite)
+        return totals.sums, totals.squared_norms
 
-    def _clip_chunk(self, x, y, mask, clip, points, totals, index, objective: PerExampleObjective):
-        loss = objective.per_example_loss(self._dp_loss)
-        result = clipped_gradient_sum(self, loss, x, y, mask, clip, engine=self._dp["engine"],
-                                      points=points, clipping=getattr(self.optimizer, "clipping", None),
-                                      views=self.step_plan.views, layer_registry=self._dp.get("layer_registry"))
-        if not self._dp["private_logs"]:
+    def _clip_chunk(self, clip, points, objective: PerExampleObjective):
+        """The built-in step's clipping of one chunk: ``objective``'s term of the model's
+        outputs, clipped with the plan's views, and the train metrics (unless private_logs)."""
+        clip_chunk = chunk_clipper(self, self, objective.per_example_loss(self._dp_loss), clip, points)
+        if self._dp["private_logs"]:
+            return clip_chunk
+
+        def clip_and_track(x, y, mask):
+            result = clip_chunk(x, y, mask)
             self._track_train_metrics(x, y, mask, result, objective)
-        sums, nonfinite, norms = totals
-        if not isinstance(norms, tuple):
-            norms = norms.write(index, tf.cast(result.squared_norms, tf.float32))
-        return [s + c for s, c in zip(sums, result.clipped_sums)], nonfinite + result.nonfinite_count(mask), norms
+            return result
+
+        return clip_and_track
 
     def _track_train_metrics(self, x, y, mask, result, objective: PerExampleObjective):
         if self.step_plan.views.targets_per_view:  # user-level (§11): the engine

@@ -121,6 +121,10 @@ class RateConstrainedModel(DPModel):
         if isinstance(x, tf.data.Dataset):
             raise ValueError("RateConstrainedModel.fit needs arrays x, y and groups (Poisson batches, accounted "
                              "jointly with the histogram); a tf.data.Dataset is not supported.")
+        if kwargs.get("augmentation_multiplicity", 1) != 1:
+            raise ValueError("RateConstrainedModel.fit takes no `augmentation_multiplicity`: its histogram Ĥ "
+                             "counts one prediction per sampled example. Pass augmentation_multiplicity=1 "
+                             "(augment=fn alone augments each example once).")
         if "per_example_extras" in kwargs:
             raise ValueError("RateConstrainedModel.fit carries `groups` itself: pass no `per_example_extras`.")
         scale = float(self.histogram.noise_scale)

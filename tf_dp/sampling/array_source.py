@@ -12,6 +12,21 @@ import tensorflow as tf
 from tf_dp.sampling.source_base import ExampleSource, _take_rows, column_dtype, input_columns, num_rows, target_columns
 
 
+NO_TARGETS = ()  # the y of examples without targets: a structure with no leaves, which tf.data carries
+
+
+def no_targets_as_none(y):
+    """None for ``NO_TARGETS`` (what a model reads as "no y", as Keras' ``fit(x)``), else y.
+
+    Args:
+      y: the targets of a batch or of examples read from a source.
+
+    Returns:
+      y, or None.
+    """
+    return None if isinstance(y, tuple) and not y else y
+
+
 class ArraySource(ExampleSource):
     """Columns ``x`` (an array, or a list/tuple/dict of arrays: one per model input) and
     ``y`` with one row per example. Text columns are held as object arrays of bytes
@@ -19,18 +34,22 @@ class ArraySource(ExampleSource):
 
     Args:
       x: the inputs: an array, or a list/tuple/dict of arrays (one per model input).
-      y: the targets: an array, or one per output of a multi-output model.
+      y: the targets: an array, or one per output of a multi-output model; None with
+        ``targets_optional`` (a model whose own ``compute_loss`` or ``train_step`` reads
+        no targets: the examples' y is ``NO_TARGETS``).
       extras: optional per-example arrays by name (e.g. user ids), read with each example.
+      targets_optional: accept ``y=None``.
 
     Raises:
       ValueError: ``x`` or ``y`` is missing, or the columns' row counts differ.
     """
 
-    def __init__(self, x, y, extras: Optional[dict] = None):
-        if x is None or y is None:
+    def __init__(self, x, y, extras: Optional[dict] = None, targets_optional: bool = False):
+        if x is None or (y is None and not targets_optional):
             raise ValueError("DP fit needs both `x` and `y`.")
         self.x = input_columns(x)  # fit([x1, x2], y): one column per input, as Keras reads a list
-        self.y = target_columns(y)  # one column, or one per output of a multi-output model
+        # One column, or one per output of a multi-output model; NO_TARGETS (no leaves) without y.
+        self.y = NO_TARGETS if y is None else target_columns(y)
         sizes = {num_rows(c) for c in tf.nest.flatten(self.x)} | {num_rows(c) for c in tf.nest.flatten(self.y)}
         if len(sizes) != 1:
             raise ValueError(f"`x` and `y` must have the same number of rows, got sizes {sorted(sizes)}.")

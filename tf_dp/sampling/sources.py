@@ -43,7 +43,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 # Every source's name, re-exported: imports of tf_dp.sampling.sources keep working.
-from tf_dp.sampling.array_source import ArraySource  # noqa: F401
+from tf_dp.sampling.array_source import NO_TARGETS, ArraySource, no_targets_as_none  # noqa: F401
 from tf_dp.sampling.dataset_source import DatasetSource, dataset_source, materialized_source  # noqa: F401
 from tf_dp.sampling.record_sources import (PairedRecords, RecordSource, TFRecordSource,  # noqa: F401
                                            _scan_tfrecord, is_record_source, refuse_duplicating_source)
@@ -55,7 +55,8 @@ from tf_dp.sampling.source_base import (MARKER, ExampleSource, SourceError, Unre
                                         graph_extras, input_columns, is_string_array, num_rows, target_columns)
 
 
-def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSource:
+def example_source(x, y=None, transform: Optional[Callable] = None,
+                   targets_optional: bool = False) -> ExampleSource:
     """The ExampleSource of fit's (x, y): arrays (lazy ones stay lazy), an unbatched dataset
     (random access when it has it, else materialized with a warning), or a record source.
 
@@ -64,6 +65,7 @@ def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSo
         or a random-access sequence of records.
       y: the labels, or None (e.g. when ``x`` is a dataset that yields them).
       transform: a function mapping a record to an example, for record sources; None for arrays.
+      targets_optional: arrays ``x`` may come without ``y`` (``ArraySource``).
 
     Returns:
       The ``ExampleSource`` that serves the examples by index.
@@ -88,4 +90,4 @@ def example_source(x, y=None, transform: Optional[Callable] = None) -> ExampleSo
             raise ValueError("`transform` needs `x` to be a random-access source of records (e.g. a list of file "
                              "paths, with labels in `y`), not arrays.")
         return RecordSource(PairedRecords(x, y), transform)
-    return ArraySource(x, y)
+    return ArraySource(x, y, targets_optional=targets_optional)
