@@ -169,12 +169,13 @@ class _ProbedRows:
     head: tuple
     rows: int
     key_contents: bool
+    variants: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # _check's probes, built once
 
 
 def _probe(model, per_example_loss, probed: _ProbedRows) -> None:
     """Runs the probe on ``probed`` (refusing by ValueError) and records a passed verdict."""
     with total_embedding_lookups(model):  # ids out of range look up zeros, as in the DP step
-        checked = _check(model, per_example_loss, *probed.head, probed.rows)
+        checked = _check(model, per_example_loss, *probed.head, probed.rows, variants=probed.variants)
     if checked:  # the key after the probe: the loss resolves by shapes on first use
         verdicts = [*_checked.get(model, []), _verdict_key(model, per_example_loss, probed)][-VERDICTS_KEPT:]
         _checked[model] = verdicts
@@ -206,17 +207,21 @@ def _probed_head(per_example_loss, x, y, rows: int):
     return _take((x, y), np.arange(count))
 
 
-def _check(model, per_example_loss, x, y, rows: int) -> bool:
+def _check(model, per_example_loss, x, y, rows: int, variants: Optional[dict] = None) -> bool:
     """The probes of the module docstring on the head rows ``x, y``; False if the model is
-    not reproducible (nothing could be checked)."""
+    not reproducible (nothing could be checked). ``variants``: where the probes' batches,
+    a function of the rows alone, are kept between probes of the same rows (fit's probe and
+    the trace's)."""
     count = num_rows(x)
     batch = _take((x, y), np.arange(min(rows, count)))
-    probes = _probes((x, y), num_rows(batch[0]), RANDOM_DRAWS)
+    probes = _variants((x, y), num_rows(batch[0]), {} if variants is None else variants)
     sized = [p for p in probes if not p.same_size] if _sixteen_bit_layers(model) else []  # run in float32
     probes = [p for p in probes if not any(p is q for q in sized)]
     gradients = per_example_loss is not None and y is not None and bool(model.trainable_variables)
-    first = _base(model, per_example_loss, batch, [p for p in probes if p.draw == 0], True, 0, gradients,
-                  check_state=True)
+    # Without Keras seed generators every draw pins the same state: W's pass serves all draws.
+    shared = not _seed_states(model)
+    first_probes = probes if shared else [p for p in probes if p.draw == 0]
+    first = _base(model, per_example_loss, batch, first_probes, True, 0, gradients, check_state=True)
     training = _reproducible_mode(model, per_example_loss, batch, first[0])
     if training is False:
         warnings.warn("tf_dp could check only inference mode (training=False) for layers that mix rows: the model's "
@@ -234,14 +239,32 @@ def _check(model, per_example_loss, x, y, rows: int) -> bool:
         return False
     for draw in sorted({p.draw for p in probes}):
         chosen = [p for p in probes if p.draw == draw]
-        base = first if draw == 0 and first is not None else _base(model, per_example_loss, batch, chosen, training,
-                                                                   draw, gradients)
+        if first is not None and (draw == 0 or shared):
+            base = _chosen_base(first, first_probes, chosen)
+        else:
+            base = _base(model, per_example_loss, batch, chosen, training, draw, gradients)
         _require_rows_unmoved(model, per_example_loss, batch, chosen, training, draw, base)
     if sized:
         with _computing_in_float32(model):
             base = _base(model, per_example_loss, batch, sized, training, 0, gradients)
             _require_rows_unmoved(model, per_example_loss, batch, sized, training, 0, base)
     return True
+
+
+def _variants(head, m: int, kept: dict) -> list:
+    """Fresh copies of ``_probes(head, m, RANDOM_DRAWS)``, built once per ``kept`` dict (a
+    probe's ``draw`` may be reset by ``_check``; the batches are only read)."""
+    if m not in kept:
+        kept[m] = _probes(head, m, RANDOM_DRAWS)
+    return [dataclasses.replace(probe) for probe in kept[m]]
+
+
+def _chosen_base(base: tuple, among: list, chosen: list) -> tuple:
+    """The part of ``base`` (values, per-probe weights and gradients of W's pass for the probes
+    ``among``) that belongs to the probes ``chosen`` (a subset of ``among``)."""
+    values, weights, gradients = base
+    index = [next(i for i, p in enumerate(among) if p is probe) for probe in chosen]
+    return values, [weights[i] for i in index], [gradients[i] for i in index]
 
 
 # ------------------------------------------------------- 16-bit compute dtypes
