@@ -151,6 +151,14 @@ def t_conv_routes():
     return table(["layer (input)", "route", "ms", "÷ batch filter gradient"], rows), ["conv_routes.json"]
 
 
+def t_custom_layers():
+    rows = [[r["model"], r["clock"], ms(r["plain_ms"]), ms(r["floor_ms"]), ms(r["dp_ms"]), f"{r['ratio']:.2f}×",
+             f"{r['floor_ratio']:.2f}×", f"{r['clipping_ratio']:.2f}×"] for r in load("custom_layers.json")["results"]]
+    head = ["model", "clock", "plain ms", "plain + noise ms", "DP-SGD ms", "DP / plain", "noise floor / plain",
+            "clipped sum / gradient"]
+    return table(head, rows), ["custom_layers.json"]
+
+
 PEERS = "peers/peers_threads1.json"
 WORKERS = [("tf_dp", "tf_dp"), ("tfp_fast_noxla", "tfp fast clipping, no XLA"),
            ("tfp_fast", "tfp fast clipping, XLA"), ("tfp_dpsgd", "tfp DPKerasSGDOptimizer"),

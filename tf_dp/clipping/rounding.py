@@ -37,6 +37,8 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_dp._xla import compiling_with_xla
+
 FLOAT32_MAX = 3.4028234663852886e38
 # Counts and sizes known at trace time become float64 constants and static shapes (fewer ops
 # to trace, the same bits); False builds the ops from tf.shape as before (for comparisons).
@@ -181,8 +183,21 @@ def _reshape_into_chunks(tensor: tf.Tensor, chunk: int) -> tf.Tensor:
 
 
 def row_norms(tensor: tf.Tensor) -> tf.Tensor:
-    """Upper bounds on ‖x_t‖ over the last axis, in float64 (see squared_sum)."""
-    return tf.sqrt(squared_sum(tensor)) * (1.0 + 2.0 ** -50)
+    """Upper bounds on ‖x_t‖ over the last axis, in float64 — for the scales M_i of the
+    rounding slack only (a loose factor there moves U_i by γ·(that factor)·M_i).
+
+    float32: one EuclideanNorm pass, fl(sqrt(fl(Σ x²))) = r̂, with fl(Σ x²) ≥ (1 − γ_n) Σ x²
+    in any summation order (n squares, n − 1 additions) and the square root ≥ (1 − u)·exact,
+    so ‖x‖ ≤ r̂ / ((1 − u)(1 − γ_n)^½) ≤ r̂ (1 + 2γ_{n+1}); r̂ in float64 is raised by that and
+    by 1 + 2⁻⁵⁰ for the float64 product. A square beyond 3.4e38 gives inf (the example is
+    dropped), as in squared_sum. Other dtypes, and under XLA (no EuclideanNorm kernel; it
+    fuses the squares anyway): squared_sum."""
+    if tensor.dtype != tf.float32 or compiling_with_xla():
+        return tf.sqrt(squared_sum(tensor)) * (1.0 + 2.0 ** -50)
+    n = tensor.shape[-1]
+    one_plus = _one_plus_gamma(None if n is None else n + 1, lambda: tf.shape(tensor)[-1] + 1, tensor.dtype)
+    raise_by = 2.0 * one_plus - 1.0  # 1 + 2γ_{n+1}
+    return tf.cast(tf.math.reduce_euclidean_norm(tensor, axis=-1), tf.float64) * raise_by * (1.0 + 2.0 ** -50)
 
 
 def round_down_to_float32(values: tf.Tensor) -> tf.Tensor:
