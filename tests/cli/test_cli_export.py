@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dp
+from tests.cli.cli_runner import run_cli_commands
 from tests.harness import sparse_ce
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -20,17 +21,32 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "tf_dp.cli", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_cli_epsilon_known_answers_and_calibrate():
-    common = ["--num_examples=60000", "--batch_size=256", "--epochs=60", "--delta=1e-5"]
-    assert cli("epsilon", *common, "--noise_multiplier=1.1").stdout.strip() == "2.597"
-    assert cli("epsilon", *common, "--noise_multiplier=1.1", "--accountant=pld").stdout.strip() == "2.382"
-    sigma = float(cli("calibrate", "--target_epsilon=2.597", *common).stdout.strip())
+COMMON = ["--num_examples=60000", "--batch_size=256", "--epochs=60", "--delta=1e-5"]
+EPSILON_RUNS = {
+    "rdp": ["epsilon", *COMMON, "--noise_multiplier=1.1"],
+    "pld": ["epsilon", *COMMON, "--noise_multiplier=1.1", "--accountant=pld"],
+    "calibrate": ["calibrate", "--target_epsilon=2.597", *COMMON],
+}
+BAD_USAGE = [["epsilon", "--batch_size=3"], ["frobnicate"], ["epsilon", "--no_such_flag=1"]]
+
+
+@pytest.fixture(scope="module")
+def cli_runs():
+    """{tuple(args): the result of `tf-dp ARGS`} for EPSILON_RUNS and BAD_USAGE, from one process."""
+    every = [*EPSILON_RUNS.values(), *BAD_USAGE]
+    return dict(zip(map(tuple, every), run_cli_commands(every)))
+
+
+def test_cli_epsilon_known_answers_and_calibrate(cli_runs):
+    assert cli_runs[tuple(EPSILON_RUNS["rdp"])].stdout.strip() == "2.597"
+    assert cli_runs[tuple(EPSILON_RUNS["pld"])].stdout.strip() == "2.382"
+    sigma = float(cli_runs[tuple(EPSILON_RUNS["calibrate"])].stdout.strip())
     assert sigma == pytest.approx(1.1, abs=0.002)
 
 
-@pytest.mark.parametrize("args", [["epsilon", "--batch_size=3"], ["frobnicate"], ["epsilon", "--no_such_flag=1"]])
-def test_cli_bad_usage_exits_non_zero_with_usage(args):
-    result = cli(*args)
+@pytest.mark.parametrize("args", BAD_USAGE)
+def test_cli_bad_usage_exits_non_zero_with_usage(args, cli_runs):
+    result = cli_runs[tuple(args)]
     assert result.returncode != 0
     assert "tf-dp epsilon" in result.stderr or "FATAL Flags parsing error" in result.stderr  # absl's usage text
 

@@ -1,28 +1,46 @@
 """The DP-LoRA text example and the FIBER vs DP-AdamW example run end to end on real data
-with tiny settings and print their final lines."""
+with tiny settings and print their final lines (both in one process:
+tests/examples/example_runner.py)."""
 
+import json
 import pathlib
 import re
 import subprocess
 import sys
 
+import pytest
+
+from tests.examples.example_runner import FAILED_MARKER, split_runs
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NUMBER = r"([0-9.]+|nan)"
+RUNS = {
+    "dp_lora_text": ["--epochs=1", "--train_examples=1000", "--test_examples=500", "--batch_size=100", "--rank=2",
+                     "--target_epsilon=8", "--vocabulary_size=2000", "--embed_dim=16", "--ff_dim=32",
+                     "--timing_rounds=1", "--timing_steps=2"],
+    "fiber_vs_adamw": ["--dataset=mnist", "--epochs=1", "--train_examples=2000", "--test_examples=1000",
+                       "--batch_size=100", "--target_epsilon=4", "--timing_rounds=1", "--timing_steps=2"],
+}
 
 
-def run_example(script: str, *flags: str) -> str:
-    command = [sys.executable, str(ROOT / "examples" / script), *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+@pytest.fixture(scope="module")
+def outputs():
+    """{example: the printed output of `python examples/EXAMPLE.py RUNS[example]`}."""
+    command = [sys.executable, str(ROOT / "tests" / "examples" / "example_runner.py"),
+               json.dumps([[name, *flags] for name, flags in RUNS.items()])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return dict(zip(RUNS, split_runs(result.stdout, len(RUNS))))
 
 
-def test_dp_lora_text_example_reports_both_runs_at_the_same_epsilon():
-    stdout = run_example(
-        "dp_lora_text.py", "--epochs=1", "--train_examples=1000", "--test_examples=500", "--batch_size=100",
-        "--rank=2", "--target_epsilon=8", "--vocabulary_size=2000", "--embed_dim=16", "--ff_dim=32",
-        "--timing_rounds=1", "--timing_steps=2",
-    )
+def run_example(outputs: dict, name: str) -> str:
+    stdout = outputs[name]
+    assert FAILED_MARKER not in stdout, stdout[-3000:]
+    return stdout
+
+
+def test_dp_lora_text_example_reports_both_runs_at_the_same_epsilon(outputs):
+    stdout = run_example(outputs, "dp_lora_text")
     run = r"params = (\d+), ms/step = {n}, test accuracy = {n}, epsilon = {n}".format(n=NUMBER)
     final = re.search(rf"final: full: {run}; lora\(rank=2\): {run}; LoRA/full step time = {NUMBER}x", stdout)
     assert final, stdout
@@ -37,11 +55,8 @@ def test_dp_lora_text_example_reports_both_runs_at_the_same_epsilon():
     assert re.search(r"--- lora\(rank=2\): \d+ trainable parameters in 14 variables", stdout)  # 7 kernels x (a, b)
 
 
-def test_fiber_vs_adamw_example_prints_accuracies_and_step_time_ratios():
-    stdout = run_example(
-        "fiber_vs_adamw.py", "--dataset=mnist", "--epochs=1", "--train_examples=2000", "--test_examples=1000",
-        "--batch_size=100", "--target_epsilon=4", "--timing_rounds=1", "--timing_steps=2",
-    )
+def test_fiber_vs_adamw_example_prints_accuracies_and_step_time_ratios(outputs):
+    stdout = run_example(outputs, "fiber_vs_adamw")
     final = re.search(
         rf"final: mnist test accuracy: fiber = {NUMBER}, dpadamw = {NUMBER}, dpadambc = {NUMBER}; "
         rf"step time vs dpadamw: fiber {NUMBER}x, dpadambc {NUMBER}x; epsilon = {NUMBER}", stdout)

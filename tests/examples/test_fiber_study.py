@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.examples.example_runner import FAILED_MARKER, split_runs
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "fiber_study.py"
 
@@ -21,6 +23,28 @@ def _study():  # once per process: the script defines absl flags at import
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+OPTIMIZERS = ["dpadamw", "fiber"]
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """{stage: the records file of `python benchmarks/fiber_study.py --quick --stage=STAGE ...`}:
+    the smoke run of every stage ("all", two optimizers, one ablation) and the untuned defaults
+    ("defaults"), both in one process (tests/examples/example_runner.py)."""
+    folder = tmp_path_factory.mktemp("fiber_study")
+    outputs = {"all": folder / "study.jsonl", "defaults": folder / "defaults.jsonl"}
+    runs = [["fiber_study", "--quick", "--stage=all", f"--optimizers={','.join(OPTIMIZERS)}",
+             "--ablations=ema_filter", f"--output={outputs['all']}"],
+            ["fiber_study", "--quick", f"--output={outputs['defaults']}", "--stage=defaults"]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, str(ROOT / "tests" / "examples" / "example_runner.py"), json.dumps(runs)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for printed in split_runs(result.stdout, len(runs)):
+        assert FAILED_MARKER not in printed, printed[-3000:]
+    return outputs
 
 
 def test_every_search_space_spans_two_decades_of_learning_rate_and_the_design_is_stratified():
@@ -40,17 +64,12 @@ def test_every_search_space_spans_two_decades_of_learning_rate_and_the_design_is
     assert math.log10(max(floors) / min(floors)) >= 4  # several decades of variance_floor
 
 
-def test_quick_run_covers_every_optimizer_and_epsilon_and_tests_the_validation_argmax(tmp_path):
-    output = tmp_path / "study.jsonl"
-    optimizers = ["dpadamw", "fiber"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--stage=all", f"--optimizers={','.join(optimizers)}",
-                    "--ablations=ema_filter",
-                    f"--output={output}"], cwd=ROOT, env=env, check=True, capture_output=True, timeout=3000)
+def test_quick_run_covers_every_optimizer_and_epsilon_and_tests_the_validation_argmax(quick_runs):
+    output = quick_runs["all"]
     records = [json.loads(line) for line in output.read_text().splitlines()]
     tests = [r for r in records if r["kind"] == "test" and not r["optimizer"].startswith("ablation")]
-    assert {(r["optimizer"], r["epsilon"]) for r in tests} == {(o, 1.0) for o in optimizers}
-    for name in optimizers:
+    assert {(r["optimizer"], r["epsilon"]) for r in tests} == {(o, 1.0) for o in OPTIMIZERS}
+    for name in OPTIMIZERS:
         tuned = [r for r in records if r["kind"] == "tune" and r["optimizer"] == name]
         assert len(tuned) == 2
         chosen = max(tuned, key=lambda r: r["accuracy"])["config"]
@@ -68,11 +87,8 @@ def test_quick_run_covers_every_optimizer_and_epsilon_and_tests_the_validation_a
         assert 0 < row["A_t"] <= 1
 
 
-def test_untuned_defaults_stage_runs_each_try_once_and_the_report_lists_them(tmp_path):
-    output = tmp_path / "study.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, str(SCRIPT), "--quick", f"--output={output}", "--stage=defaults"]
-    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=3000)
+def test_untuned_defaults_stage_runs_each_try_once_and_the_report_lists_them(quick_runs):
+    output = quick_runs["defaults"]
     study = _study()
     # The second run and the report in this process (no second TensorFlow start-up), with
     # what --quick sets; the flags are restored afterwards.

@@ -14,25 +14,37 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Run in a fresh interpreter: the example defines absl flags at import, and another example or
 # benchmark imported earlier in the same pytest worker may already hold a flag of the same name.
+# Both verbosities in that one interpreter (one TensorFlow start-up), each after a marker line.
 FEATURE_PASS = """
 import sys, types
 import numpy as np
 sys.path.insert(0, {examples!r})
 import mnist_dpsgd as recipe
-recipe.FLAGS(["mnist_dpsgd", "--features=scattering", "--verbose={verbose}"])
 images = np.random.default_rng(0).uniform(-1, 1, (5, 28, 28, 1)).astype(np.float32)
-_, train, test = recipe.model_and_inputs(types.SimpleNamespace(x_test=images[:3]), images)
-print("shapes", train.shape, test.shape)
+for verbose in {verbosities!r}:
+    print("=== verbose", verbose, flush=True)
+    recipe.FLAGS(["mnist_dpsgd", "--features=scattering", f"--verbose={{verbose}}"])
+    _, train, test = recipe.model_and_inputs(types.SimpleNamespace(x_test=images[:3]), images)
+    print("shapes", train.shape, test.shape, flush=True)
 """
+VERBOSITIES = [2, 0]
 
 
-@pytest.mark.parametrize("verbose", [2, 0])
-def test_feature_pass_shows_a_progress_bar_unless_verbose_is_zero(verbose):
-    code = FEATURE_PASS.format(examples=str(ROOT / "examples"), verbose=verbose)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+@pytest.fixture(scope="module")
+def feature_pass_outputs():
+    """{verbose: what the feature pass printed with --verbose=verbose}."""
+    code = FEATURE_PASS.format(examples=str(ROOT / "examples"), verbosities=VERBOSITIES)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    chunks = result.stdout.split("=== verbose ")[1:]
+    assert len(chunks) == len(VERBOSITIES), result.stdout
+    return {int(chunk.split("\n", 1)[0]): chunk.split("\n", 1)[1] for chunk in chunks}
+
+
+@pytest.mark.parametrize("verbose", VERBOSITIES)
+def test_feature_pass_shows_a_progress_bar_unless_verbose_is_zero(verbose, feature_pass_outputs):
+    out = feature_pass_outputs[verbose]
     assert "shapes (5, 7, 7, 81) (3, 7, 7, 81)" in out, out
     assert ("5/5" in out and "3/3" in out) == (verbose > 0), out  # Keras' Progbar: done / total images
 

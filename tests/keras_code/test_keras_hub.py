@@ -101,28 +101,51 @@ def bert_case(engine):
                        rng.uniform(0.2, 2.0, P).astype("float32"), engine)
 
 
-def run_case(case, engine):
-    """Ghost in process; vectorized in a subprocess: oneDNN's batched matmul killed the whole
-    process (SIGABRT/SIGSEGV) on the [P, 1, T, d] @ [d, k] products vectorized_map makes of
-    keras-hub's attention projections; per_example_map now finds them in the traced graph
-    and maps per example instead (kernels.crash_prone_batch_matmuls). A crash must not come
-    back, but must not take the test run with it either."""
+VECTORIZED_CASES = ("gpt2_case", "bert_case")
+# Runs each of VECTORIZED_CASES with the vectorized engine, one after the other in one process;
+# prints "CASE name ok" or "CASE name failed" and the traceback.
+VECTORIZED_RUN = """
+import sys, traceback
+sys.path.insert(0, {root!r})
+import tests.keras_code.test_keras_hub as t
+for name in t.VECTORIZED_CASES:
+    try:
+        getattr(t, name)("vectorized")
+        print("CASE", name, "ok", flush=True)
+    except Exception:
+        print("CASE", name, "failed", traceback.format_exc(), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def vectorized_runs():
+    """The subprocess that ran every case with the vectorized engine (``run_case``)."""
+    return subprocess.run([sys.executable, "-c", VECTORIZED_RUN.format(root=str(ROOT))], capture_output=True,
+                          text=True, timeout=900, cwd=ROOT)
+
+
+def run_case(case, engine, vectorized_runs):
+    """Ghost in process; vectorized in a subprocess (one for both cases, ``vectorized_runs``):
+    oneDNN's batched matmul killed the whole process (SIGABRT/SIGSEGV) on the [P, 1, T, d] @
+    [d, k] products vectorized_map makes of keras-hub's attention projections; per_example_map
+    now finds them in the traced graph and maps per example instead
+    (kernels.crash_prone_batch_matmuls). A crash must not come back, but must not take the
+    test run with it either."""
     if engine == "ghost":
         return case(engine)
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import tests.keras_code.test_keras_hub as t; "
-            f"t.{case.__name__}('vectorized')")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = vectorized_runs
     assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    assert f"CASE {case.__name__} ok" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vectorized"])
-def test_gpt2_lm_with_padding_mask_as_sample_weight_matches_a_loop(engine):
-    run_case(gpt2_case, engine)
+def test_gpt2_lm_with_padding_mask_as_sample_weight_matches_a_loop(engine, request):
+    run_case(gpt2_case, engine, request.getfixturevalue("vectorized_runs") if engine == "vectorized" else None)
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vectorized"])
-def test_bert_classifier_with_sample_weights_matches_a_loop(engine):
-    run_case(bert_case, engine)
+def test_bert_classifier_with_sample_weights_matches_a_loop(engine, request):
+    run_case(bert_case, engine, request.getfixturevalue("vectorized_runs") if engine == "vectorized" else None)
 
 
 def test_gpt2_poisson_fit_takes_the_padding_mask_as_sample_weight():

@@ -13,9 +13,14 @@ import tf_dp
 WORKER = pathlib.Path(__file__).with_name("resume_worker.py")
 
 
-def _start(tmp, name):
-    paths = [str(tmp / "backup"), str(tmp / f"{name}.marker"), str(tmp / f"{name}.result")]
-    return subprocess.Popen([sys.executable, str(WORKER), *paths]), paths
+def _paths(tmp, name):
+    return [str(tmp / "backup"), str(tmp / f"{name}.marker"), str(tmp / f"{name}.result")]
+
+
+def _start(pause, *runs):
+    """One worker process training the runs (path triples of ``_paths``) one after the other,
+    pausing ``pause`` seconds after each step."""
+    return subprocess.Popen([sys.executable, str(WORKER), str(pause), *(path for paths in runs for path in paths)])
 
 
 def _steps_done(marker):
@@ -26,8 +31,9 @@ def _steps_done(marker):
 
 
 def test_sigkill_mid_epoch_then_resume_accounts_all_steps(tmp_path):
-    process, (_, marker, _) = _start(tmp_path, "killed")
-    deadline = time.time() + 240
+    _, marker, _ = _paths(tmp_path, "killed")
+    process = _start(0.1, _paths(tmp_path, "killed"))  # slow steps: killed between backups
+    deadline = time.time() + 600  # against a hung worker (start-up alone can take minutes under load)
     while _steps_done(marker) < 27 and process.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     assert process.poll() is None, "worker finished before it could be killed"
@@ -36,15 +42,15 @@ def test_sigkill_mid_epoch_then_resume_accounts_all_steps(tmp_path):
     killed_at = _steps_done(marker)
     assert 20 < killed_at < 40
 
-    resumed, (_, _, result) = _start(tmp_path, "resumed")
-    assert resumed.wait(timeout=240) == 0
-    epsilon, steps = pathlib.Path(result).read_text().split()
-    epsilon, steps = float(epsilon), int(steps)
-
+    # The resumed run (the killed run's backup folder), then an uninterrupted run in a folder of
+    # its own, in one process.
     clean = tmp_path / "clean"
     clean.mkdir()
-    uninterrupted, (_, _, clean_result) = _start(clean, "clean")
-    assert uninterrupted.wait(timeout=240) == 0
+    (_, _, result), (_, _, clean_result) = _paths(tmp_path, "resumed"), _paths(clean, "clean")
+    resumed = _start(0, _paths(tmp_path, "resumed"), _paths(clean, "clean"))
+    assert resumed.wait(timeout=900) == 0
+    epsilon, steps = pathlib.Path(result).read_text().split()
+    epsilon, steps = float(epsilon), int(steps)
     clean_epsilon, clean_steps = pathlib.Path(clean_result).read_text().split()
 
     # Keras resumes at the start of the interrupted epoch, from the last backup (every 5
