@@ -29,6 +29,7 @@ from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset
 from tf_dp.models.fit_privacy import FitPrivacy
 from tf_dp.models.losses import without_unused_targets
 from tf_dp.models.private_run import PrivateRun, RunStart
+from tf_dp.models.validation_split import carve_validation, keras_array
 from tf_dp.models.row_independence import DONOR_SEARCH, GUARD_ROWS, check_rows_independent
 from tf_dp.models.step import DPTrainStep, sample_weight_extras
 from tf_dp.models.validation import refuse_lookups_rejecting_padding
@@ -36,7 +37,7 @@ from tf_dp.optimizers import DPOptimizer
 from tf_dp.sampling.dataset_graph import TIMESERIES, keras_utility, keras_utility_note
 from tf_dp.sampling.loader import augment_examples
 from tf_dp.sampling.schemes import scheme_for_fit
-from tf_dp.sampling.sources import MARKER, ArraySource, SourceError, example_source
+from tf_dp.sampling.sources import MARKER, SourceError, example_source
 from tf_dp.sampling.users import user_ids_for_fit, user_index_of
 
 
@@ -476,71 +477,6 @@ def _pipeline_batch_size(dataset) -> Optional[int]:
             return int(value) if value is not None and value > 0 else None
         dataset = getattr(dataset, "_input_dataset", None)
     return None
-
-
-def _training_rows(n: int, fraction) -> int:
-    """Rows before the validation tail, as Keras cuts arrays: n − round(n · fraction); both parts non-empty."""
-    fraction = _checks.in_open_unit_interval("validation_split", fraction)
-    cut = n - int(round(n * fraction))
-    if not 0 < cut < n:
-        raise ValueError(f"validation_split={fraction} of {n} examples leaves {cut} to train on and {n - cut} to "
-                         "validate on; both must be at least one.")
-    return cut
-
-
-def keras_array(array):
-    """``array`` as Keras' data adapters and symbolic build accept it: a string column (an
-    object array of bytes, which Keras has no dtype for) becomes a tf.string tensor."""
-    if isinstance(array, np.ndarray) and (array.dtype == object or array.dtype.kind in "US"):
-        return tf.constant(array, tf.string)
-    return array
-
-
-def carve_validation(source, fraction, sample_weight, validation_batch: int):
-    """validation_split as Keras does it: the last ``fraction`` of the examples validate (and
-    their sample weights go with them); returns (training source, validation data, weights)."""
-    if isinstance(source, ArraySource):
-        (x, y), validation_data = _split_tail(source.x, source.y, fraction)
-        source = ArraySource(x, y)
-    else:  # a source: the tail's indices are carved off before sampling and never sampled
-        source, validation_data = _split_source_tail(source, fraction, validation_batch)
-    if sample_weight is None:
-        return source, validation_data, None
-    weights = tf.nest.map_structure(np.asarray, sample_weight)
-    head_weights = tf.nest.map_structure(lambda w: w[:len(source)], weights)
-    tail_weights = tf.nest.map_structure(lambda w: w[len(source):], weights)
-    if isinstance(validation_data, tf.data.Dataset):
-        batches = tf.data.Dataset.from_tensor_slices(tail_weights).batch(validation_batch)
-        validation_data = tf.data.Dataset.zip((validation_data, batches)).map(lambda xy, w: (*xy, w))
-    else:
-        validation_data = (*validation_data, tail_weights)
-    return source, validation_data, head_weights
-
-
-def _split_tail(x, y, fraction):
-    cut = _training_rows(num_rows(x), fraction)
-    head = lambda a: a[:cut]  # noqa: E731
-    tail = lambda a: keras_array(a[cut:])  # noqa: E731 — the validation rows go to Keras' own fit
-    return ((tf.nest.map_structure(head, x), tf.nest.map_structure(head, y)),
-            (tf.nest.map_structure(tail, x), tf.nest.map_structure(tail, y)))
-
-
-def _split_source_tail(source, fraction, batch: int):
-    """validation_split for a random-access source, as Keras splits arrays: the last
-    ``fraction`` of the examples (by index, before any sampling) validate, the rest train.
-    The training source is the first ``cut`` examples — N = cut for the sampler and the
-    accountant, so a validation index is never sampled — and the validation data are the
-    tail read in order, ``batch`` examples at a time (the source's own parallel reader)."""
-    n = len(source)
-    cut = _training_rows(n, fraction)
-    training = source.first(cut)
-
-    def read(indices):
-        x, y, _ = source.graph_read(indices, tf.ones(tf.shape(indices), tf.float32))
-        return x, y
-
-    tail = tf.data.Dataset.range(cut, n).batch(batch).map(read, num_parallel_calls=tf.data.AUTOTUNE)
-    return training, tail.prefetch(1)
 
 
 @contextlib.contextmanager
