@@ -28,7 +28,7 @@ def _data():
 
 
 def _drawn(model) -> int:
-    return model.optimizer._key_guard._fresh_from_step
+    return model.optimizer._key_guard.drawn_steps()
 
 
 class _Logs(keras.callbacks.Callback):
@@ -57,7 +57,7 @@ def test_fit_with_several_steps_per_execution_records_the_ledgers_count():
     assert _drawn(model) == int(model.privacy_ledger.steps.numpy()) == 4
     assert not [name for name in set(history.history) | seen.keys if name.startswith("tf_dp_")]
     # After the last execution the wrapper noted the ledger as it is (the logged count).
-    assert model._ledger_after_execution == ledger_state(model)
+    assert model._private_run.watermark == ledger_state(model)
 
 
 def test_private_logs_still_carry_the_count():
@@ -76,7 +76,7 @@ class _TrainOnBatchInside(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 0:
             self.model.train_on_batch(self.x, self.y, batch_size=8)
-            self.states.append((self.model._ledger_after_execution, ledger_state(self.model)))
+            self.states.append((self.model._private_run.watermark, ledger_state(self.model)))
 
 
 def test_a_train_on_batch_inside_fit_notes_the_ledger_for_fits_next_execution():

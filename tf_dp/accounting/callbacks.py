@@ -17,26 +17,13 @@ class PrivacyReport(keras.callbacks.Callback):
     """Adds ``epsilon`` (all steps so far, at the model's δ) to each epoch's logs, and with an
     ``AdaptiveClip`` bound the current (public) clip bound C_t as ``l2_norm_clip``.
 
-    Before the first step it re-records the running phase in the ledger, so that a ledger
-    restored by a later callback's ``on_train_begin`` (BackupAndRestore) is extended, not
-    overwritten. The noise key is guarded (re-keyed on a rollback, a seeded resume refused)
-    before every execution of the train function, after all callbacks
-    (``DPTrainStep.make_train_function``)."""
-
-    def on_train_begin(self, logs=None):
-        self._first_batch = True
-        self._ledger_at_begin = ledger_state(self.model)
+    It only reports. The run's phase — re-recorded when a callback's ``on_train_begin``
+    (BackupAndRestore) or a later callback (load_weights) replaced the ledger — and the
+    noise-key guard are the ``PrivateRun``'s, before every execution of the train function,
+    after all callbacks (tf_dp.models.private_run)."""
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model.nonfinite_examples.assign(0.0)
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self._first_batch:  # after every on_train_begin (a restored ledger)
-            self._first_batch = False
-            self.model.reopen_phase(ledger_replaced=ledger_state(self.model) != self._ledger_at_begin)
-            _check_adaptive_clip_split(self.model)
-        # A ledger replaced mid-fit by a callback (load_weights): before PrivacyBudget's limit.
-        self.model.reopen_phase_if_ledger_replaced()
 
 
     def on_epoch_end(self, epoch, logs=None):
@@ -51,10 +38,14 @@ class PrivacyReport(keras.callbacks.Callback):
                 logs["l2_norm_clip"] = optimizer.l2_norm_clip
 
 
-def _check_adaptive_clip_split(model) -> None:
+def check_adaptive_clip_split(model) -> None:
     """Refuses, before the first step, an adaptive clip bound whose count noise σ_b ≤ σ/2
     leaves no σ_Δ for the gradient (docs/algorithms.md §12): the step's own check is an
-    in-graph assertion, which XLA (jit_compile=True) compiles to nothing."""
+    in-graph assertion, which XLA (jit_compile=True) compiles to nothing.
+
+    Args:
+      model: the DP model, its run's phase recorded.
+    """
     optimizer = model.optimizer
     adaptive, phase = getattr(optimizer, "adaptive_clip", None), model.privacy_ledger.current_phase()
     if adaptive is None or phase is None or optimizer.noise_multiplier is None:
@@ -159,6 +150,11 @@ class PrivacyBudget(keras.callbacks.Callback):
             self.model.save(self.save_path)
             print(f"tf_dp: privacy budget ε = {self.max_epsilon} reached (ε = {self.model.get_epsilon():.4f}); "
                   f"training stopped, model saved to {self.save_path}.")
+
+    def refresh(self) -> None:
+        """Recomputes the step limit if anything it depends on changed (the run calls it when
+        it re-records its phase right before an execution: tf_dp.models.private_run)."""
+        self._check_budget()
 
     def _check_budget(self, raise_if_spent: bool = False):
         inputs = _limit_inputs(self.model)

@@ -23,6 +23,7 @@ import tensorflow as tf
 from dp_accounting import dp_event
 
 from tf_dp.accounting import events
+from tf_dp.accounting.draws import DrawGuard
 from tf_dp.accounting.events import Phase, composed_event  # noqa: F401  (Phase is part of the ledger's API)
 
 MAX_PHASES = 256
@@ -73,6 +74,8 @@ class PrivacyLedger(tf.Module):
         self._refusals = _Untracked(count=tf.Variable(0, dtype=tf.int64, trainable=False, name="refused_steps",
                                                       aggregation=once))
         self._restorer = _Untracked(table=_PhaseTableRestorer(self))
+        # What each noise key and sampling seed has drawn on this ledger, in this process only.
+        self._draws = _Untracked(guard=DrawGuard())
 
     # A tf.train.Checkpoint saves and restores "phase_table" through ``_PhaseTableRestorer``
     # (same key, same value), which restores every saved layout (7 columns before the segment
@@ -95,6 +98,12 @@ class PrivacyLedger(tf.Module):
     def load_from(self, store) -> None:
         self.phase_table.assign(upgraded_table(np.asarray(store[self.STORE_KEYS[0]])))
         self.steps.assign(np.asarray(store[self.STORE_KEYS[1]]))
+
+    @property
+    def draws(self) -> DrawGuard:
+        """What each noise key and sampling seed has drawn on this ledger object in this
+        process (``tf_dp.accounting.draws``): never saved, so a loaded file starts with none."""
+        return self._draws.guard
 
     def _rows(self) -> np.ndarray:
         table = np.asarray(self.phase_table.numpy())

@@ -113,14 +113,17 @@ class DPModelMixin(CustomTraining, DPTrainStep, DPFitting, PrivacyReporting):
 
     def train_on_batch(self, *args, **kwargs):
         """DPFitting.train_on_batch; its phase closes when it returns (``StepDoor``). Called
-        inside a ``fit`` (from a callback), it notes the ledger for that fit's next execution
-        (``reopen_phase_if_ledger_replaced``), which its own single execution does not."""
-        inside_fit = self._step_door.phase_open
-        with self._step_door.open_phase(one_execution=True):
-            result = super().train_on_batch(*args, **kwargs)
-        if inside_fit:
-            self.ledger_after_execution()
-        return result
+        inside a ``fit`` (from a callback), it runs as a ``PrivateRun`` of its own; the fit's
+        run is then restored and notes the ledger for its next execution, which the inner
+        call's single execution does not."""
+        outer = getattr(self, "_private_run", None) if self._step_door.phase_open else None
+        try:
+            with self._step_door.open_phase(one_execution=True):
+                return super().train_on_batch(*args, **kwargs)
+        finally:
+            if outer is not None:
+                object.__setattr__(self, "_private_run", outer)
+                outer.note_ledger()
 
     def save(self, filepath, *args, **kwargs):
         """Keras ``save`` to ``.keras`` (which carries the privacy ledger); ``.h5`` is refused."""

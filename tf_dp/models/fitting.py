@@ -15,29 +15,30 @@ import math
 import warnings
 from typing import Optional
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from tf_dp import _checks
 from tf_dp.accounting import calibrate_noise_multiplier, events
-from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport, ledger_state
+from tf_dp.accounting.callbacks import PrivacyBudget, PrivacyReport
 from tf_dp.clipping.engine import ONE_VIEW, AugmentationViews
 from tf_dp.mechanism import DPMechanism, FixedBatches
 from tf_dp.sampling.tfds_sources import source_for_fit as tfds_source_for_fit
 from tf_dp.models.data import (agreed_sampling_seed, distributed_poisson_dataset, is_batched_dataset, num_rows,
                                poisson_dataset, refuse_batched_records, refuse_duplicating_batches)
+from tf_dp.models.fit_privacy import FitPrivacy
 from tf_dp.models.losses import without_unused_targets
+from tf_dp.models.private_run import PrivateRun, RunStart
+from tf_dp.models.validation_split import carve_validation, keras_array
 from tf_dp.models.row_independence import DONOR_SEARCH, GUARD_ROWS, check_rows_independent
 from tf_dp.models.custom_step import reads_no_targets
 from tf_dp.models.step import DPTrainStep, sample_weight_extras
 from tf_dp.models.validation import refuse_lookups_rejecting_padding
 from tf_dp.optimizers import DPOptimizer
-from tf_dp.sampling import seed_guard
 from tf_dp.sampling.dataset_graph import TIMESERIES, keras_utility, keras_utility_note
 from tf_dp.sampling.loader import augment_examples
 from tf_dp.sampling.schemes import scheme_for_fit
-from tf_dp.sampling.sources import MARKER, ArraySource, SourceError, example_source, no_targets_as_none
+from tf_dp.sampling.sources import MARKER, SourceError, example_source, no_targets_as_none
 from tf_dp.sampling.users import user_ids_for_fit, user_index_of
 
 
@@ -127,66 +128,92 @@ class DPFitting:
         only; ``validation_split`` keeps the rows of the training part.
         """
         self._require_dp_compiled()
+        privacy = FitPrivacy(batch_size, physical_batch_size, sampling_seed, self.optimizer.secure_mode, transform,
+                             augment, augmentation_multiplicity, user_ids, examples_per_user, sampling,
+                             per_example_extras)
         y = without_unused_targets(self._dp_loss, y)  # y=[y0, None] for loss=[fn, None], as Keras
         if kwargs.get("shuffle") not in (None, True):
             raise ValueError("`shuffle` is not supported by DP fit (Poisson sampling replaces it).")
         kwargs.pop("shuffle", None)
         sample_weight, class_weight = kwargs.pop("sample_weight", None), kwargs.pop("class_weight", None)
-        sampling_arguments = {"user_ids": user_ids, "examples_per_user": examples_per_user}
-        callbacks = list(callbacks or [])
+        keras_fit = dict(epochs=epochs, verbose=verbose, callbacks=list(callbacks or []),
+                         validation_data=validation_data, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                         **kwargs)
         if isinstance(x, tf.data.Dataset) and is_batched_dataset(x, self):
-            self._refuse_sampling_arguments({**sampling_arguments, "per_example_extras": per_example_extras},
-                                            "a batched dataset")
+            privacy.refuse_resampling("a batched dataset")
             self._refuse_multi_worker("a batched dataset")
             with self.use_plan(self._weights_plan(sample_weight, class_weight, where="dataset")):
-                return self._fit_fixed_batches(x, batch_size, epochs, verbose, callbacks, validation_data,
-                                               initial_epoch, steps_per_epoch, **kwargs)
+                return self._fit_fixed_batches(x, batch_size, keras_fit)
+        return self._fit_poisson(x, y, privacy, validation_split, sample_weight, class_weight, keras_fit)
+
+    def _fit_poisson(self, x, y, privacy: FitPrivacy, validation_split, sample_weight, class_weight,
+                     keras_fit: dict):
+        """fit on arrays, an unbatched dataset or a source: Poisson-sampled batches drawn by
+        the scheme ``privacy`` names, in one ``PrivateRun``."""
         _warn_about_windows(x)
-        source = self._training_source(x, y, transform, reads_no_targets(self._dp_loss))
-        source, user_ids = user_ids_for_fit(x, source, user_ids)  # ids travel with their rows (a feature's key)
+        source = self._training_source(x, y, privacy.transform, reads_no_targets(self._dp_loss))
+        source, user_ids = user_ids_for_fit(x, source, privacy.user_ids)  # ids travel with their rows (a key)
+        sampling_arguments = {**privacy.sampling_arguments(), "user_ids": user_ids}
         all_rows = len(source)
-        extras = self._checked_per_example_extras(per_example_extras, all_rows)
+        extras = self._checked_per_example_extras(privacy.per_example_extras, all_rows)
+        validation_data = keras_fit["validation_data"]
         if validation_split:
-            source, validation_data, sample_weight = _carve_validation(
-                source, validation_split, sample_weight, kwargs.pop("validation_batch_size", None) or batch_size or 32)
+            validation_batch = keras_fit.pop("validation_batch_size", None) or privacy.batch_size or 32
+            source, validation_data, sample_weight = carve_validation(source, validation_split, sample_weight,
+                                                                      validation_batch)
         if user_ids is not None:  # one id per row given; the validation tail's rows are never sampled
             sampling_arguments["user_ids"] = user_index_of(user_ids, all_rows)[:len(source)]
         if isinstance(validation_data, (tuple, list)):  # numpy string arrays as tf.string, which Keras reads
             validation_data = tuple(tf.nest.map_structure(keras_array, part) for part in validation_data)
         num_examples = len(source)
-        refuse_batched_records(source, self, augment)
+        refuse_batched_records(source, self, privacy.augment)
         refuse_lookups_rejecting_padding(self)
         plan = self._weights_plan(sample_weight, class_weight, num_examples).replace(
             per_example_extras={name: column[:num_examples] for name, column in extras.items()} or None)
         x, y = source.head(GUARD_ROWS + DONOR_SEARCH)  # what the guard and the build read: never all of the data
         y = no_targets_as_none(y)
-        if augment is not None:
-            x = augment_examples(augment, x)
+        if privacy.augment is not None:
+            x = augment_examples(privacy.augment, x)
         check_rows_independent(self, self._dp_loss, x, y)
-        if batch_size is None:
+        if privacy.batch_size is None:
             raise ValueError("`batch_size` (the expected Poisson batch size L) is required for DP fit.")
         scheme = scheme_for_fit(getattr(self.optimizer, "privatizer", None), num_examples,
-                                _checks.batch_size_for(num_examples, batch_size), sampling,
+                                _checks.batch_size_for(num_examples, privacy.batch_size), privacy.sampling,
                                 **sampling_arguments)
-        plan = plan.replace(views=self._views(augment, augmentation_multiplicity, scheme, plan))
+        plan = plan.replace(views=self._views(privacy.augment, privacy.augmentation_multiplicity, scheme, plan))
         self._warn_about_delta(scheme.num_units)
         self._warn_if_the_unit_changes(scheme.ledger_scheme)
-        steps = steps_per_epoch or math.ceil(scheme.num_units / scheme.expected_batch_size)
+        epochs, initial_epoch = keras_fit["epochs"], keras_fit["initial_epoch"]
+        steps = keras_fit["steps_per_epoch"] or math.ceil(scheme.num_units / scheme.expected_batch_size)
         # Privacy callbacks go first so that user callbacks (TensorBoard, CSVLogger) see ε in the logs.
-        callbacks = self._privacy_callbacks(scheme, steps * (epochs - initial_epoch)) + callbacks
-        plan = self._open_phase(DPMechanism.of(self.optimizer, scheme), plan=plan)
-        if self.optimizer.secure_mode and sampling_seed is not None:
-            raise ValueError("`secure_mode=True` samples batches from OS entropy; it accepts no `sampling_seed`.")
-        steps_taken = StepsTaken(self.privacy_ledger, sampling_seed)
-        callbacks.append(steps_taken)  # last: its on_train_begin sees a ledger BackupAndRestore restored
+        callbacks = self._privacy_callbacks(scheme, steps * (epochs - initial_epoch)) + keras_fit["callbacks"]
+        run = self._start_run(DPMechanism.of(self.optimizer, scheme), callbacks, privacy.sampling_seed)
+        callbacks.append(RunStart(run))  # last: its on_train_begin sees a ledger BackupAndRestore restored
+        keras_fit.update(callbacks=callbacks, validation_data=validation_data, steps_per_epoch=steps)
+        plan = plan.replace(mechanism=run.mechanism)  # the step plan holds the running mechanism
         with self.use_plan(plan), reading_errors_named(source, self):
-            dataset = self._poisson_stream(source, scheme, physical_batch_size, sampling_seed, steps_taken, augment,
-                                           plan.views)
+            dataset = self._poisson_stream(source, scheme, privacy, run, plan.views)
             self._prebuild(x, y)
-            return super().fit(
-                dataset, epochs=epochs, verbose=verbose, callbacks=callbacks, validation_data=validation_data,
-                initial_epoch=initial_epoch, steps_per_epoch=steps, shuffle=False, **kwargs,
-            )
+            return super().fit(dataset, shuffle=False, **keras_fit)
+
+    def _start_run(self, mechanism: DPMechanism, callbacks=(), sampling_seed=None,
+                   one_execution: bool = False) -> PrivateRun:
+        """Records ``mechanism``'s phase in a new ``PrivateRun``, the call's host bookkeeping
+        (tf_dp.models.private_run), which the train function's wrapper then consults.
+
+        Args:
+          mechanism: the call's mechanism.
+          callbacks: the call's callbacks (its budgets among them).
+          sampling_seed: the secret sampling seed, or None.
+          one_execution: ``train_on_batch``.
+
+        Returns:
+          The run, also the model's ``_private_run``.
+        """
+        self.step_plan = self.step_plan.replace(mechanism=mechanism)  # the plan holds the running mechanism
+        run = PrivateRun(self, mechanism, sampling_seed, one_execution=one_execution, callbacks=callbacks)
+        object.__setattr__(self, "_private_run", run)  # untracked by Keras: never saved
+        return run
 
     @staticmethod
     def _training_source(x, y, transform, targets_optional=False):
@@ -195,13 +222,6 @@ class DPFitting:
         that reads no targets (``targets_optional``: its own compute_loss or train_step)."""
         source = tfds_source_for_fit(x, transform) if y is None else None
         return source if source is not None else example_source(x, y, transform, targets_optional)
-
-    @staticmethod
-    def _refuse_sampling_arguments(arguments: dict, what: str) -> None:
-        given = sorted(name for name, value in arguments.items() if value is not None)
-        if given:
-            raise ValueError(f"{given} need fit() to sample from arrays or a random-access source; {what} cannot "
-                             "be resampled.")
 
     def _warn_about_delta(self, num_units: int) -> None:
         if self._dp["delta"] >= 1 / num_units:
@@ -242,10 +262,7 @@ class DPFitting:
 
     def _augmentation_setting(self, augment, multiplicity) -> AugmentationViews:
         """The views each sampled example contributes (augmentation multiplicity, docs/algorithms.md §8)."""
-        multiplicity = _checks.positive_int("augmentation_multiplicity", multiplicity)
-        if augment is not None and not callable(augment):
-            raise TypeError(f"`augment` must be a callable augment(x, seed) -> x, got {augment!r}.")
-        if multiplicity == 1:
+        if multiplicity == 1:  # both checked by FitPrivacy
             return ONE_VIEW
         if augment is None and not any(getattr(layer, "_seed_generators", None)
                                        for layer in self._flatten_layers(include_self=True)):
@@ -256,8 +273,17 @@ class DPFitting:
                 "identical.")
         return AugmentationViews(multiplicity, view_axis=augment is not None)
 
-    def _fit_fixed_batches(self, dataset, batch_size, epochs, verbose, callbacks, validation_data, initial_epoch,
-                           steps_per_epoch, **kwargs):
+    def _fit_fixed_batches(self, dataset, batch_size, keras_fit: dict):
+        """fit on a batched dataset: its batches as given, accounted without amplification.
+
+        Args:
+          dataset: the batched dataset.
+          batch_size: the declared L, or None (the dataset's static batch size).
+          keras_fit: Keras' fit arguments (epochs, callbacks, ...).
+
+        Returns:
+          Keras' History.
+        """
         refuse_duplicating_batches(dataset)
         declared = declared_batch_size(dataset, batch_size)
         warnings.warn(
@@ -272,11 +298,9 @@ class DPFitting:
             raise ValueError("`target_epsilon` calibration needs Poisson sampling: pass arrays or an unbatched "
                              "dataset.")
         check_rows_independent(self, self._dp_loss, dataset)
-        callbacks = [PrivacyReport()] + callbacks
-        self._open_phase(DPMechanism.of(self.optimizer, FixedBatches(declared)))
-        return super().fit(dataset, epochs=epochs, verbose=verbose, callbacks=callbacks,
-                           validation_data=validation_data, initial_epoch=initial_epoch,
-                           steps_per_epoch=steps_per_epoch, **kwargs)
+        keras_fit["callbacks"] = [PrivacyReport()] + keras_fit["callbacks"]
+        self._start_run(DPMechanism.of(self.optimizer, FixedBatches(declared)), keras_fit["callbacks"])
+        return super().fit(dataset, **keras_fit)
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False,
                        batch_size: Optional[int] = None, user_ids=None):
@@ -287,7 +311,9 @@ class DPFitting:
         (it must not depend on the data) — never each later batch's own size. ``user_ids``
         is refused: user-level DP samples users, an explicit batch cannot be (§11)."""
         self._require_dp_compiled()
-        self._refuse_sampling_arguments({"user_ids": user_ids}, "train_on_batch's explicit batch")
+        if user_ids is not None:
+            raise ValueError("['user_ids'] need fit() to sample from arrays or a random-access source; "
+                             "train_on_batch's explicit batch cannot be resampled.")
         y = without_unused_targets(self._dp_loss, y)
         self.step_plan = self._weights_plan(sample_weight, class_weight, where="batch")  # until the next call
         if self.distribute_strategy.num_replicas_in_sync > 1:
@@ -300,23 +326,27 @@ class DPFitting:
             phase = self.privacy_ledger.current_phase()
             running = phase is not None and phase.scheme == "batches" and phase.expected_batch_size > 0
             batch_size = phase.expected_batch_size if running else _static_batch_size(x)
-        self._open_phase(DPMechanism.of(self.optimizer, FixedBatches(_checks.positive("batch_size", batch_size))))
+        self._start_run(DPMechanism.of(self.optimizer, FixedBatches(_checks.positive("batch_size", batch_size))),
+                        one_execution=True)
         if not self.built:
             self._prebuild(x, y)
         self._build_optimizer()
         # The noise key is guarded by the train function itself (DPTrainStep.make_train_function).
         return super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
-    def _poisson_stream(self, source, scheme, physical_batch_size, sampling_seed, steps_taken, augment=None,
+    def _poisson_stream(self, source, scheme, privacy: FitPrivacy, run: PrivateRun,
                         views: AugmentationViews = ONE_VIEW):
         """The batches ``fit`` trains on, drawn by ``scheme``'s sampler: the batch of step t at
-        step t, one global batch per step, which tf.distribute replicas split by chunks (never
-        duplicate), each worker reading only its replicas' examples from the source."""
+        step t (``run``'s position), one global batch per step, which tf.distribute replicas
+        split by chunks (never duplicate), each worker reading only its replicas' examples
+        from the source."""
         strategy, secure = self.distribute_strategy, self.optimizer.secure_mode
+        physical_batch_size, sampling_seed = privacy.physical_batch_size, privacy.sampling_seed
+        augment = privacy.augment
         extras = {**sample_weight_extras(self.step_plan.sample_weights), **(self.step_plan.per_example_extras or {})}
         augment_views = views.count if views.view_axis and augment is not None else 1
         loading = dict(source=source, augment=augment, views=augment_views, scheme=scheme,
-                       first_step=steps_taken.read, seed_generation=steps_taken.seed_generation)
+                       first_step=run.position, seed_generation=run.seed_generation)
         size = scheme.expected_batch_size
         if strategy.num_replicas_in_sync == 1:
             return poisson_dataset(None, None, len(source), size, physical_batch_size, sampling_seed, extras,
@@ -345,9 +375,6 @@ class DPFitting:
         if type(self).train_step is DPTrainStep.train_step:
             raise ValueError(f"`per_example_extras` are read by a train step of a model's own; "
                              f"{type(self).__name__} uses DPModel's, which reads none. Remove the argument.")
-        if not isinstance(extras, dict):
-            raise TypeError(f"`per_example_extras` must be a dict {{name: per-example array}}, got "
-                            f"{type(extras).__name__}.")
         columns = {name: np.asarray(column) for name, column in extras.items()}
         for name, column in columns.items():
             if column.ndim == 0 or column.shape[0] != num_examples:
@@ -358,72 +385,6 @@ class DPFitting:
     def _require_dp_compiled(self):
         if not isinstance(getattr(self, "optimizer", None), DPOptimizer) or self._dp_loss is None:
             raise RuntimeError(f"Compile the {type(self).__name__} with a tf_dp optimizer and a loss before training.")
-
-    def _open_phase(self, mechanism: DPMechanism, new_segment: Optional[bool] = None, plan=None):
-        """Records the phase ``mechanism`` runs in (a new segment if ``new_segment``; None: if the
-        mechanism's scheme starts one with every run); the model's step plan (and ``plan``, fit's,
-        returned) holds the mechanism."""
-        self.step_plan = self.step_plan.replace(mechanism=mechanism)
-        self._phase_arguments = mechanism.ledger_arguments()
-        new_segment = mechanism.new_segment if new_segment is None else new_segment
-        sigma = self.optimizer.noise_multiplier
-        if sigma is None:
-            raise ValueError(
-                "The optimizer's `noise_multiplier` is None: set it, or pass `target_epsilon` to compile() "
-                "so that fit() calibrates it."
-            )
-        if mechanism.declared_batch_size is not None:
-            self._declared_batch_size.assign(mechanism.declared_batch_size)
-        scheme, sampling_rate, num_examples, expected_batch_size, parameter = self._phase_arguments
-        self.privacy_ledger.open_phase(scheme, sampling_rate, sigma, num_examples, expected_batch_size,
-                                       parameter, new_segment=new_segment)
-        if new_segment and mechanism.privatizer is not None:
-            mechanism.privatizer.reset(int(self.privacy_ledger.steps.numpy()))  # a new sampler: a fresh noise state
-        self._ledger_after_execution = None  # the phase is recorded: nothing to compare until a step ran
-        return None if plan is None else plan.replace(mechanism=mechanism)
-
-    def reopen_phase(self, ledger_replaced: bool = False):
-        """Re-records the running phase before the first step (after a callback such as
-        BackupAndRestore may have replaced the ledger with a checkpoint's): its steps are then
-        composed correctly.
-
-        Args:
-          ledger_replaced: the ledger changed since ``on_train_begin``. For a scheme whose
-            every fit is a segment of its own (BandMF's "cyclic_poisson": new secret groups, a
-            fresh noise buffer; docs/algorithms.md §10.3) the restored run continues as a NEW
-            segment, ⌈T₁/b⌉ + ⌈T₂/b⌉ rounds, not the restored one's ⌈(T₁ + T₂)/b⌉.
-        """
-        mechanism = self.step_plan.mechanism
-        if mechanism is None:
-            return
-        self._open_phase(mechanism, new_segment=ledger_replaced and mechanism.accounted_whole)
-
-    def reopen_phase_if_ledger_replaced(self) -> int:
-        """Re-records the running phase when the ledger changed since the train function's
-        last execution other than by its own steps: a callback that loads another file mid-fit
-        (load_weights rolls the ledger back). The steps that follow are the running fit's (its
-        q, N, L), and for a segmented scheme (BandMF) they are a new segment: the key and the
-        noise buffer restart while the sampler runs on (docs/algorithms.md §10.3, A.2).
-
-        Returns:
-          The ledger's step count, read once here for the caller's noise-key guard.
-        """
-        seen = getattr(self, "_ledger_after_execution", None)
-        if seen is None:  # the phase was recorded since (or no execution yet): nothing to compare
-            return int(self.privacy_ledger.steps.numpy())
-        now = ledger_state(self)
-        if seen != now:
-            self.reopen_phase(ledger_replaced=True)
-            self._ledger_after_execution = ledger_state(self)
-        return now[2]
-
-    def ledger_after_execution(self, steps: Optional[int] = None) -> None:
-        """Notes the ledger as the train function left it (``reopen_phase_if_ledger_replaced``).
-
-        Args:
-          steps: its step count as the step logged it, or None to read it.
-        """
-        self._ledger_after_execution = ledger_state(self, steps)
 
     def _privacy_callbacks(self, scheme, planned_steps):
         """PrivacyReport, and with ``compile(target_epsilon=...)`` the calibrated σ and a
@@ -515,113 +476,6 @@ def _pipeline_batch_size(dataset) -> Optional[int]:
             return int(value) if value is not None and value > 0 else None
         dataset = getattr(dataset, "_input_dataset", None)
     return None
-
-
-class StepsTaken(keras.callbacks.Callback):
-    """The number of DP steps taken as of the last finished batch, for the Poisson stream to
-    read when an iterator starts. Read from the ledger once at the start of training (after
-    BackupAndRestore may have restored it), then counted in Python: reading the variable
-    inside a step would race with the step's own increment (tf.data starts the generator
-    inside the step's graph), and reading it after every batch would stall the pipeline.
-
-    At the same point it asks the sampling-seed guard which generation of ``sampling_seed``
-    the stream draws from (re-keyed after a rollback, docs/algorithms.md B.3), and tells the
-    guard after every batch which steps the seed has drawn (tf_dp.sampling.seed_guard)."""
-
-    def __init__(self, ledger, sampling_seed: Optional[int] = None):
-        seed_guard.check_sampling_seed(sampling_seed)  # before the stream reads it
-        super().__init__()
-        self._ledger = ledger
-        self._value = int(ledger.steps.numpy())
-        self._last_batch = -1
-        self._sampling_seed = sampling_seed
-        self._generation = 0
-
-    def read(self) -> int:
-        return self._value
-
-    def seed_generation(self) -> int:
-        """The generation of the sampling seed this fit's stream draws from (0: the seed itself)."""
-        return self._generation
-
-    def on_train_begin(self, logs=None):
-        self._value = int(self._ledger.steps.numpy())
-        self._generation = seed_guard.stream_generation(self._ledger, self._sampling_seed, self._value)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._last_batch = -1
-
-    def on_train_batch_end(self, batch, logs=None):
-        # ``batch`` is the last step of the execution (several with steps_per_execution > 1).
-        self._value += batch - self._last_batch
-        self._last_batch = batch
-        seed_guard.record_drawn(self._ledger, self._sampling_seed, self._value)
-
-
-def _training_rows(n: int, fraction) -> int:
-    """Rows before the validation tail, as Keras cuts arrays: n − round(n · fraction); both parts non-empty."""
-    fraction = _checks.in_open_unit_interval("validation_split", fraction)
-    cut = n - int(round(n * fraction))
-    if not 0 < cut < n:
-        raise ValueError(f"validation_split={fraction} of {n} examples leaves {cut} to train on and {n - cut} to "
-                         "validate on; both must be at least one.")
-    return cut
-
-
-def keras_array(array):
-    """``array`` as Keras' data adapters and symbolic build accept it: a string column (an
-    object array of bytes, which Keras has no dtype for) becomes a tf.string tensor."""
-    if isinstance(array, np.ndarray) and (array.dtype == object or array.dtype.kind in "US"):
-        return tf.constant(array, tf.string)
-    return array
-
-
-def _carve_validation(source, fraction, sample_weight, validation_batch: int):
-    """validation_split as Keras does it: the last ``fraction`` of the examples validate (and
-    their sample weights go with them); returns (training source, validation data, weights)."""
-    if isinstance(source, ArraySource):
-        (x, y), validation_data = _split_tail(source.x, source.y, fraction)
-        y = no_targets_as_none(y)  # fit(x) of a model that reads no targets: x alone validates
-        source, validation_data = ArraySource(x, y, targets_optional=y is None), validation_data[:1 + (y is not None)]
-    else:  # a source: the tail's indices are carved off before sampling and never sampled
-        source, validation_data = _split_source_tail(source, fraction, validation_batch)
-    if sample_weight is None:
-        return source, validation_data, None
-    weights = tf.nest.map_structure(np.asarray, sample_weight)
-    head_weights = tf.nest.map_structure(lambda w: w[:len(source)], weights)
-    tail_weights = tf.nest.map_structure(lambda w: w[len(source):], weights)
-    if isinstance(validation_data, tf.data.Dataset):
-        batches = tf.data.Dataset.from_tensor_slices(tail_weights).batch(validation_batch)
-        validation_data = tf.data.Dataset.zip((validation_data, batches)).map(lambda xy, w: (*xy, w))
-    else:
-        validation_data = (*validation_data, tail_weights)
-    return source, validation_data, head_weights
-
-
-def _split_tail(x, y, fraction):
-    cut = _training_rows(num_rows(x), fraction)
-    head = lambda a: a[:cut]  # noqa: E731
-    tail = lambda a: keras_array(a[cut:])  # noqa: E731 — the validation rows go to Keras' own fit
-    return ((tf.nest.map_structure(head, x), tf.nest.map_structure(head, y)),
-            (tf.nest.map_structure(tail, x), tf.nest.map_structure(tail, y)))
-
-
-def _split_source_tail(source, fraction, batch: int):
-    """validation_split for a random-access source, as Keras splits arrays: the last
-    ``fraction`` of the examples (by index, before any sampling) validate, the rest train.
-    The training source is the first ``cut`` examples — N = cut for the sampler and the
-    accountant, so a validation index is never sampled — and the validation data are the
-    tail read in order, ``batch`` examples at a time (the source's own parallel reader)."""
-    n = len(source)
-    cut = _training_rows(n, fraction)
-    training = source.first(cut)
-
-    def read(indices):
-        x, y, _ = source.graph_read(indices, tf.ones(tf.shape(indices), tf.float32))
-        return x, y
-
-    tail = tf.data.Dataset.range(cut, n).batch(batch).map(read, num_parallel_calls=tf.data.AUTOTUNE)
-    return training, tail.prefetch(1)
 
 
 @contextlib.contextmanager

@@ -56,8 +56,7 @@ MEMO_ATTRIBUTE = "_probe_key_memo"  # the model's _KeyMemo (held on the model: n
 _TRANSIENT = frozenset({
     "_called", "_distributed_dataset", "_eval_epoch_iterator", "_initial_epoch", "_lock", "_self_update_uid",
     "predict_function", "stop_evaluating", "stop_predicting", "stop_training", "test_function", "train_function",
-    "history", "_declared_batch_size", "_phase_arguments", "_mechanism", "step_plan",
-    "_ledger_after_execution", MEMO_ATTRIBUTE,
+    "history", "_declared_batch_size", "step_plan", "_private_run", MEMO_ATTRIBUTE,
 })
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
@@ -109,8 +108,9 @@ def verdict_key(model, per_example_loss, head, rows: int, key_contents: bool = T
 
 def _phase_key(model) -> tuple:
     """The settings of the phase the model's last ``fit``/``train_on_batch`` opened (scheme,
-    q, N, L, parameter; ``DPFitting._open_phase``), () before any: host values, no ledger read."""
-    return tuple(getattr(model, "_phase_arguments", None) or ())
+    q, N, L, parameter; ``PrivateRun.open_phase``), () before any: host values, no ledger read."""
+    run = getattr(model, "_private_run", None)
+    return tuple(run.phase_arguments) if run is not None else ()
 
 
 def rows_digest(structure, contents: bool = True) -> bytes:

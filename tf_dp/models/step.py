@@ -87,15 +87,11 @@ class DPTrainStep:
         Before every execution — after every callback has run, so whatever a callback did
         (``load_weights`` of an older file, a new seed) is seen — the call is refused unless
         ``fit``/``train_on_batch`` hold a phase open (Keras' cached function called after they
-        returned), and the noise key is guarded against the ledger's current count (re-keyed
-        on a rollback, a seeded resume refused: no (key, step) pair draws noise twice); the
-        step may trace or run only during the execution (``StepDoor``). After it, the steps
-        drawn are recorded — the ledger's count as the step logged it (``STEPS_LOG``), read
-        from the ledger only for a ``train_step`` of a model's own that does not log it — and
-        a step the ledger could not record (it released nothing) stops training. The ledger's
-        state after the execution, against which the next execution detects a ledger a
-        callback replaced, is noted only when another execution can follow in the phase (a
-        ``fit``; ``train_on_batch`` records its phase before its one execution).
+        returned); the call's ``PrivateRun`` then re-records its phase if a callback replaced
+        the ledger and guards the noise key (``before_execution``). The step may trace or run
+        only during the execution (``StepDoor``), and draw noise only inside the optimizer's
+        drawing window. After it the run notes the steps drawn and stops training on a step the
+        ledger could not record (``after_execution``; tf_dp.models.private_run).
         """
         super().make_train_function(force)
         function = self.train_function
@@ -105,25 +101,15 @@ class DPTrainStep:
         def train_function_then_check_the_ledger(*args, **kwargs):
             door = self._step_door
             door.require_phase(self.name)
-            ledger, optimizer = self._ledger_of_plan(), self.optimizer
-            # A callback may have loaded another file since the last execution; one read of the count.
-            optimizer.guard_noise_counter(self.reopen_phase_if_ledger_replaced(), ledger)
+            run, ledger = self._private_run, self._ledger_of_plan()
+            run.before_execution(ledger)
             executing, door.executing = door.executing, True
             try:
-                with optimizer.drawing_window():
+                with self.optimizer.drawing_window():
                     logs = function(*args, **kwargs)
             finally:
                 door.executing = executing
-            logged = isinstance(logs, dict)
-            steps = logs.pop(STEPS_LOG, None) if logged else None
-            steps = int(ledger.steps.numpy()) if steps is None else _logged_count(steps)
-            optimizer.record_noise_counter(steps)
-            if not door.one_execution:
-                self.ledger_after_execution(steps)
-            refused = logs.pop(REFUSED_LOG, None) if logged else None
-            if refused is None or np.any(np.asarray(refused) > 0):  # None: a train_step of its own
-                ledger.raise_if_refused()
-            return logs
+            return run.after_execution(logs, ledger)
 
         train_function_then_check_the_ledger.checks_the_ledger = True
         self.train_function = train_function_then_check_the_ledger
@@ -339,11 +325,6 @@ class StepDoor:
         """Raises unless the train function of an open phase is executing (the step's check)."""
         if not self.executing:
             raise RuntimeError(_outside_phase_message(model_name, "a DP step (model.train_step) was run"))
-
-
-def _logged_count(value) -> int:
-    """A count the step logged (a scalar, or [1] per worker under multi-worker reduction)."""
-    return int(np.asarray(value).reshape(-1)[0])
 
 
 def _outside_phase_message(model_name: str, what: str) -> str:

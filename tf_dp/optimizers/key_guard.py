@@ -76,34 +76,44 @@ class NoiseKeyGuard:
         self._start(resume_allowed=allow_resume)
 
     def _start(self, resume_allowed: bool) -> None:
-        """A new key that has drawn nothing yet, for no model yet."""
+        """A new key that has drawn nothing yet, for no model yet: a new token, so no ledger
+        holds a record of it (``PrivacyLedger.draws``)."""
         self._resume_allowed = resume_allowed
-        self._generation, self._fresh_from_step = 0, 0
+        self._generation = 0
+        self._token = _KeyToken()  # what the ledgers' draw records of this key are kept under
         self._ledger = lambda: None  # a weak reference to the ledger this key draws for
-        self._seeded_from_zero = False  # this key's seed has drawn on that ledger since its step 0
 
     def guard(self, dp_step: int, ledger, name: str) -> bool:
         """Before DP steps start at ``ledger``'s count ``dp_step``: re-keys or refuses so that
-        no (key, step) pair ever draws noise twice (``DPOptimizer.guard_noise_counter``).
+        no (key, step) pair ever draws noise twice (``DPOptimizer.guard_noise_counter``). What
+        the key has drawn is kept with the ledger, in the one draw guard the sampling seed
+        uses too (``tf_dp.accounting.draws``).
 
         Returns:
           True when the steps about to run do not continue this key's own draws (a new key, a
           resumed or rolled-back ledger): a stateful privatizer must start afresh.
         """
-        generation = self._generation
-        continues = self._ledger() is ledger and dp_step == self._fresh_from_step
-        if self._ledger() is not ledger:
-            if self._fresh_from_step or self._seeded_from_zero:
+        generation, seeded = self._generation, self.user_seed is not None
+        bound = self._ledger() is ledger
+        if not bound:
+            if self._drew(self._ledger()):
                 self._rekey_next_generation()
-            self._ledger, self._fresh_from_step, self._seeded_from_zero = weakref.ref(ledger), 0, False
-        if dp_step < self._fresh_from_step:
+            self._ledger = weakref.ref(ledger)
+        record = ledger.draws.key_record(self._token, new=not bound)
+        continues = bound and dp_step == record.fresh_from_step
+        if dp_step < record.fresh_from_step:
             self._rekey_next_generation()
-            self._fresh_from_step = dp_step
-        elif self.user_seed is not None and not self._resume_allowed:
+        elif seeded and not self._resume_allowed and not (
+                dp_step == 0 or (record.from_zero and dp_step == record.fresh_from_step)):
             self._refuse_seeded_resume(dp_step, name)
-        if dp_step == 0:
-            self._seeded_from_zero = self.user_seed is not None
+        record.start(dp_step)
+        record.from_zero = record.from_zero and seeded  # a seed continues only what it drew from step 0
         return self._generation != generation or not (continues or dp_step == 0)
+
+    def _drew(self, ledger) -> bool:
+        """Whether this key (its current generation) has drawn, or started from step 0, on ``ledger``."""
+        record = None if ledger is None else ledger.draws.known_key_record(self._token)
+        return record is not None and bool(record.fresh_from_step or record.from_zero)
 
     def _rekey_next_generation(self) -> None:
         self._generation += 1
@@ -111,8 +121,6 @@ class NoiseKeyGuard:
 
     def _refuse_seeded_resume(self, dp_step: int, name: str) -> None:
         """A seed may continue only where it left off on a ledger it has keyed since step 0."""
-        if dp_step == 0 or (self._seeded_from_zero and dp_step == self._fresh_from_step):
-            return
         raise ValueError(
             f"{name}: the optimizer's seed would key noise on a model whose privacy ledger has already "
             f"taken {dp_step} DP steps this key did not draw (a loaded .keras, load_weights, a model trained in "
@@ -124,7 +132,15 @@ class NoiseKeyGuard:
 
     def record(self, dp_step: int) -> None:
         """Steps below ``dp_step`` have drawn noise with the current key."""
-        self._fresh_from_step = max(self._fresh_from_step, int(dp_step))
+        ledger = self._ledger()
+        if ledger is not None:
+            ledger.draws.key_record(self._token).drew(dp_step)
+
+    def drawn_steps(self) -> int:
+        """The first step of its ledger this key has not drawn (0 before any)."""
+        ledger = self._ledger()
+        record = None if ledger is None else ledger.draws.known_key_record(self._token)
+        return 0 if record is None else record.fresh_from_step
 
     @contextlib.contextmanager
     def drawing_window(self):
@@ -147,13 +163,19 @@ class NoiseKeyGuard:
                 "step. Nothing was released. Train with model.fit()/train_on_batch(), or, in a train_step of "
                 "your own, with the model's public private-gradient call.")
         step = _host_value(dp_step)
-        if step is not None and step < self._fresh_from_step and self._ledger() is not None:
+        if step is not None and step < self.drawn_steps():
             raise RuntimeError(f"{name}: DP step {step} has already drawn noise with this key; drawing it again "
                                "would let two releases cancel their noise. Nothing was released.")
 
     def read(self) -> tf.Tensor:
         """This step's Philox key: the in-memory key, or fresh OS entropy in secure mode."""
         return secure_key() if self.secure_mode else self._key.read()
+
+
+class _KeyToken:
+    """Identifies one seeding of a key in the ledgers' draw records (held weakly there)."""
+
+    __slots__ = ("__weakref__",)
 
 
 def _host_value(dp_step) -> Optional[int]:

@@ -3,10 +3,11 @@
 Batch t of a seeded ``fit`` is a function of (``sampling_seed``, t), t the privacy ledger's
 step count (``tf_dp.sampling.poisson``). Two runs that train steps t.. from one ledger state
 with one seed would share their batch membership, and composing their ledgers as independent
-Poisson samplings would understate ε. This module records, per ledger object and seed, the
-steps the seed has drawn in this process (a weak mapping: nothing here is ever saved) and, at
-the start of each ``fit`` (after BackupAndRestore restored the ledger), tells the stream which
-generation of the seed to draw from (docs/algorithms.md B.3):
+Poisson samplings would understate ε. The steps the seed has drawn in this process are kept
+with the ledger object, in the draw guard the noise key uses too (``PrivacyLedger.draws``,
+``tf_dp.accounting.draws``: nothing there is ever saved). At the start of each ``fit`` (after
+BackupAndRestore restored the ledger; ``tf_dp.models.private_run``) this module tells the
+stream which generation of the seed to draw from (docs/algorithms.md B.3):
 
   * the ledger continues where this seed stopped: generation unchanged, silent;
   * the ledger moved back behind steps the seed has drawn (``load_weights`` of an older
@@ -19,23 +20,13 @@ generation of the seed to draw from (docs/algorithms.md B.3):
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import warnings
-import weakref
 from typing import Optional
 
 import numpy as np
 
-_DRAWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # ledger → {seed: _SeedRecord}
-
-
-@dataclasses.dataclass
-class _SeedRecord:
-    """One seed on one ledger: its current generation, and the first sampler step it has not drawn."""
-
-    generation: int
-    fresh_from_step: int
+from tf_dp.accounting.draws import AHEAD, ROLLED_BACK
 
 
 def check_sampling_seed(seed) -> None:
@@ -64,21 +55,21 @@ def stream_generation(ledger, seed: Optional[int], first_step: int) -> int:
     """
     if seed is None:
         return 0
-    record = _DRAWN.setdefault(ledger, {}).setdefault(int(seed), _SeedRecord(0, 0))
-    if first_step < record.fresh_from_step:
-        _warn_rollback(first_step, record.fresh_from_step, record.generation + 1)
+    record = ledger.draws.seed_record(seed)
+    drawn = record.fresh_from_step
+    verdict = record.start(first_step)
+    if verdict == ROLLED_BACK:
+        _warn_rollback(first_step, drawn, record.generation + 1)
         record.generation += 1
-    elif first_step > record.fresh_from_step:
+    elif verdict == AHEAD:
         _warn_seeded_resume(first_step)
-    record.fresh_from_step = first_step
     return record.generation
 
 
 def record_drawn(ledger, seed: Optional[int], steps_drawn: int) -> None:
     """The seed's current generation has drawn the batches of the steps below ``steps_drawn``."""
-    record = None if seed is None else _DRAWN.get(ledger, {}).get(int(seed))
-    if record is not None:
-        record.fresh_from_step = max(record.fresh_from_step, int(steps_drawn))
+    if seed is not None:
+        ledger.draws.seed_record(seed).drew(steps_drawn)
 
 
 def _warn_rollback(first_step: int, drawn: int, generation: int) -> None:
