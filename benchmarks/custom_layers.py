@@ -37,6 +37,7 @@ import tf_dp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
 from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
+from noise_floor import NoiseFloorModel  # noqa: E402  (the plain step plus its noise draw)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["antirectifier", "separable_conv"], "Models to time.")
@@ -130,23 +131,6 @@ def _ms_per_call(call, steps):
 def _now() -> float:
     clocks = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
     return clocks[FLAGS.clock]()
-
-
-class NoiseFloorModel(keras.Model):
-    """A plain step that also draws one Gaussian per parameter with the Philox sampler tf_dp
-    uses (as benchmarks/step_time.py's): the cost of DP-SGD without any clipping."""
-
-    def train_step(self, data):
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True), training=True)
-        grads = tape.gradient(loss, self.trainable_variables)
-        step = tf.cast(self.optimizer.iterations, tf.int64)
-        grads = [g + 0.01 * tf.random.stateless_normal(
-                     tf.shape(g), seed=tf.stack([tf.constant(7, tf.int64), step * 64 + i]), alg="philox")
-                 for i, g in enumerate(grads)]
-        self.optimizer.apply(grads, self.trainable_variables)
-        return {"loss": loss}
 
 
 def _gradient_functions(model, x, y):

@@ -37,6 +37,7 @@ from absl import app, flags  # noqa: E402
 import tf_dp  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/record.py, also when loaded by path
 from record import write_json  # noqa: E402  (writes the command, commit, machine and date)
+from noise_floor import NoiseFloorModel  # noqa: E402  (the plain step plus its noise draw)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "cnn", "transformer"],
@@ -94,25 +95,6 @@ def _inputs(name):
     if name == "transformer":
         return np.random.randint(0, VOCABULARY, (FLAGS.batch_size, TOKENS)).astype("int32")
     return np.random.rand(FLAGS.batch_size, 28, 28, 1).astype("float32")
-
-
-class NoiseFloorModel(keras.Model):
-    """A non-private step that also draws one Gaussian per parameter (the irreducible cost
-    of DP-SGD's noise), with the same Philox sampler tf_dp uses."""
-
-    def train_step(self, data):
-        import tensorflow as tf
-
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True), training=True)
-        grads = tape.gradient(loss, self.trainable_variables)
-        step = tf.cast(self.optimizer.iterations, tf.int64)
-        grads = [g + 0.01 * tf.random.stateless_normal(
-                     tf.shape(g), seed=tf.stack([tf.constant(7, tf.int64), step * 64 + i]), alg="philox")
-                 for i, g in enumerate(grads)]
-        self.optimizer.apply(grads, self.trainable_variables)
-        return {"loss": loss}  # fit needs a log; the plain and DP steps log their loss too
 
 
 FIT_ROWS = 20  # fit's data: FIT_ROWS · batch_size examples
