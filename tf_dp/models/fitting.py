@@ -210,7 +210,6 @@ class DPFitting:
         Returns:
           The run, also the model's ``_private_run``.
         """
-        self.step_plan = self.step_plan.replace(mechanism=mechanism)  # the plan holds the running mechanism
         run = PrivateRun(self, mechanism, sampling_seed, one_execution=one_execution, callbacks=callbacks)
         object.__setattr__(self, "_private_run", run)  # untracked by Keras: never saved
         return run
@@ -326,8 +325,9 @@ class DPFitting:
             phase = self.privacy_ledger.current_phase()
             running = phase is not None and phase.scheme == "batches" and phase.expected_batch_size > 0
             batch_size = phase.expected_batch_size if running else _static_batch_size(x)
-        self._start_run(DPMechanism.of(self.optimizer, FixedBatches(_checks.positive("batch_size", batch_size))),
-                        one_execution=True)
+        run = self._start_run(DPMechanism.of(self.optimizer, FixedBatches(_checks.positive("batch_size", batch_size))),
+                              one_execution=True)
+        self.step_plan = self.step_plan.replace(mechanism=run.mechanism)  # this call's plan holds its mechanism
         if not self.built:
             self._prebuild(x, y)
         self._build_optimizer()
