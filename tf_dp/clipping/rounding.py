@@ -189,7 +189,8 @@ def row_norms(tensor: tf.Tensor) -> tf.Tensor:
     float32: one EuclideanNorm pass, fl(sqrt(fl(Σ x²))) = r̂, with fl(Σ x²) ≥ (1 − γ_n) Σ x²
     in any summation order (n squares, n − 1 additions) and the square root ≥ (1 − u)·exact,
     so ‖x‖ ≤ r̂ / ((1 − u)(1 − γ_n)^½) ≤ r̂ (1 + 2γ_{n+1}); r̂ in float64 is raised by that and
-    by 1 + 2⁻⁵⁰ for the float64 product. A square beyond 3.4e38 gives inf (the example is
+    by 1 + 2⁻⁵⁰ for the float64 product; plus √(2n)·2⁻⁶³ for what underflow can hide (values
+    below 2⁻¹²⁶, flushed to zero, where the relative bound fails). A square beyond 3.4e38 gives inf (the example is
     dropped), as in squared_sum. Other dtypes, and under XLA (no EuclideanNorm kernel; it
     fuses the squares anyway): squared_sum."""
     if tensor.dtype != tf.float32 or compiling_with_xla():
@@ -197,7 +198,17 @@ def row_norms(tensor: tf.Tensor) -> tf.Tensor:
     n = tensor.shape[-1]
     one_plus = _one_plus_gamma(None if n is None else n + 1, lambda: tf.shape(tensor)[-1] + 1, tensor.dtype)
     raise_by = 2.0 * one_plus - 1.0  # 1 + 2γ_{n+1}
-    return tf.cast(tf.math.reduce_euclidean_norm(tensor, axis=-1), tf.float64) * raise_by * (1.0 + 2.0 ** -50)
+    rounded = tf.cast(tf.math.reduce_euclidean_norm(tensor, axis=-1), tf.float64) * raise_by * (1.0 + 2.0 ** -50)
+    return rounded + _underflow_slack(n, tensor)
+
+
+def _underflow_slack(n, tensor: tf.Tensor):
+    """√(2n)·2⁻⁶³: what float32 underflow can hide from a sum of n squares. Below 2⁻¹²⁶ the
+    relative bound γ_n does not hold, and TensorFlow's CPU kernels flush subnormals to zero:
+    each of the 2n − 1 operations loses at most 2⁻¹²⁶ absolutely, so
+    Σ x² ≤ fl(Σ x²)/(1 − γ_n) + 2n·2⁻¹²⁶ and ‖x‖ ≤ (the relative bound) + √(2n)·2⁻⁶³."""
+    count = tf.constant(float(n), tf.float64) if n is not None else tf.cast(tf.shape(tensor)[-1], tf.float64)
+    return tf.sqrt(2.0 * count) * 2.0 ** -63
 
 
 def round_down_to_float32(values: tf.Tensor) -> tf.Tensor:
